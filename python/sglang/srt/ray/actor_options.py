@@ -1,0 +1,64 @@
+"""Ray options for one SchedulerActor: resources, name, lifetime, concurrency.
+
+Default mode keeps upstream's behaviour (placement-group keyed name, owned by
+the launching job), except that resources follow the device: a ``--device cpu``
+engine asks for no GPU. With ``--enable-rdt-weight-sync`` the actor becomes
+discoverable by trainers in other Ray jobs:
+
+* ``name`` carries the HTTP port instead of the placement-group id, so a
+  trainer rebuilds it (see :mod:`sglang.srt.ray.actor_naming`);
+* ``lifetime="detached"`` so a trainer job's handles stay valid; the engine
+  kills these actors itself on shutdown (see :mod:`sglang.srt.ray.lifecycle`);
+* ``max_concurrency`` > 1 so ``pull_weights`` and other calls run while
+  ``run_event_loop`` blocks the actor's first thread;
+* ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` so every GPU stays visible
+  and the absolute id from ``get_accelerator_ids()`` stays valid.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from sglang.srt.ray.actor_naming import get_scheduler_actor_name
+from sglang.srt.ray.cluster import actor_resources
+
+# run_event_loop holds one thread for the engine's lifetime; the others serve
+# pull_weights, register_weight_for_rdt, finalize and status calls.
+RDT_ACTOR_MAX_CONCURRENCY = 8
+RDT_ACTOR_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+def scheduler_actor_options(
+    *,
+    device: Optional[str],
+    placement_group,
+    bundle_index: int,
+    rank0_node_ip: str,
+    dp_rank: Optional[int],
+    pp_rank: int,
+    tp_rank: int,
+    http_port: int,
+    discoverable: bool,
+) -> Dict[str, Any]:
+    options: Dict[str, Any] = dict(
+        actor_resources(device),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=placement_group,
+            placement_group_bundle_index=bundle_index,
+        ),
+    )
+    ranks = dict(dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, bundle_index=bundle_index)
+    if discoverable:
+        options.update(
+            name=get_scheduler_actor_name(rank0_node_ip, port=http_port, **ranks),
+            lifetime="detached",
+            max_concurrency=RDT_ACTOR_MAX_CONCURRENCY,
+            runtime_env={"env_vars": dict(RDT_ACTOR_ENV)},
+        )
+    else:
+        options["name"] = get_scheduler_actor_name(
+            rank0_node_ip, placement_group_id=placement_group.id.hex(), **ranks
+        )
+    return options

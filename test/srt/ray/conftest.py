@@ -1,0 +1,304 @@
+"""Real parts for the Ray backend tests: a Ray head, a tiny model, a CLI server.
+
+* ``ray_head`` (session): ``ray start --head`` on loopback with its own port,
+  temp dir, namespace and auth token (Ray 2.60 token auth stays on). It is
+  stopped at the end by the pids of the processes that carry its temp dir —
+  never ``ray stop``, which would stop every cluster on the host.
+* ``tiny_model`` (session): a random-weight Llama + a tokenizer trained here.
+* ``launch_server``: runs ``python -m sglang.launch_server`` against the
+  cluster and waits for ``/health``; stops it with SIGTERM (then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import psutil
+import pytest
+import requests
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from tiny_model import build_tiny_model  # noqa: E402
+
+CPU_SERVER_ARGS = [
+    "--device", "cpu",
+    "--model-impl", "transformers",
+    "--attention-backend", "torch_native",
+    "--disable-cuda-graph",
+    "--max-total-tokens", "4096",
+    "--host", "127.0.0.1",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pids_with(marker: str) -> List[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def kill_pids(procs: List[psutil.Process], timeout: float = 15) -> None:
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout)
+
+
+@dataclass
+class RayHead:
+    address: str
+    temp_dir: str
+    token: str
+    namespace: str
+    num_cpus: int
+
+    @property
+    def env(self) -> Dict[str, str]:
+        """Environment for any process that joins this cluster."""
+        return {
+            "RAY_ADDRESS": self.address,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": self.token,
+        }
+
+    def stop(self) -> None:
+        kill_pids(_pids_with(self.temp_dir))
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def start_ray_head(num_cpus: int = 8, namespace: str = "sglang-test") -> RayHead:
+    port = free_port()
+    # Short: Ray puts unix sockets under it (108-byte path limit).
+    temp_dir = tempfile.mkdtemp(prefix="rt_", dir="/tmp")
+    head = RayHead(
+        address=f"127.0.0.1:{port}",
+        temp_dir=temp_dir,
+        token=secrets.token_hex(32),
+        namespace=namespace,
+        num_cpus=num_cpus,
+    )
+    env = {**os.environ, **head.env}
+    env.pop("RAY_ADDRESS")
+    cmd = [
+        str(Path(sys.executable).parent / "ray"), "start", "--head",
+        "--node-ip-address=127.0.0.1", f"--port={port}",
+        f"--num-cpus={num_cpus}", "--num-gpus=0",
+        "--include-dashboard=false", "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        head.stop()
+        raise RuntimeError(f"ray start failed:\n{proc.stdout}\n{proc.stderr}")
+    return head
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    head = start_ray_head()
+    saved = {k: os.environ.get(k) for k in head.env}
+    os.environ.update(head.env)
+    try:
+        yield head
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        head.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_client(ray_head):
+    """This test process connected to the head as a driver (for inspection)."""
+    import ray
+
+    ray.init(
+        address=ray_head.address,
+        namespace=ray_head.namespace,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+# --------------------------------------------------------------------------- #
+# The real CLI server
+# --------------------------------------------------------------------------- #
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    args: List[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def generate(self, prompt: str, max_new_tokens: int = 12, **extra) -> dict:
+        r = requests.post(
+            f"{self.url}/generate",
+            json={
+                "text": prompt,
+                "sampling_params": {
+                    "temperature": 0,
+                    "max_new_tokens": max_new_tokens,
+                    "ignore_eos": True,
+                },
+                **extra,
+            },
+            timeout=120,
+        )
+        r.raise_for_status()
+        return r.json()
+
+    def output_ids(self, prompt: str, max_new_tokens: int = 12) -> List[int]:
+        return self.generate(prompt, max_new_tokens)["output_ids"]
+
+    def terminate(self, timeout: float = 90) -> int:
+        """SIGTERM the server and wait; SIGKILL its process group if it hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        return self.proc.returncode
+
+
+def start_server(
+    model_path: Path,
+    head: RayHead,
+    extra_args: List[str],
+    log_dir: Path,
+    *,
+    wait_healthy: bool = True,
+    timeout: float = 240,
+    env: Optional[Dict[str, str]] = None,
+    port: Optional[int] = None,
+) -> Server:
+    port = port or free_port()
+    args = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model_path), "--port", str(port),
+        *CPU_SERVER_ARGS, *extra_args,
+    ]
+    log_path = log_dir / f"server-{port}.log"
+    full_env = {**os.environ, **head.env, **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+            start_new_session=True,
+        )
+    server = Server(proc=proc, port=port, log_path=log_path, args=args)
+    if wait_healthy:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {proc.returncode}:\n{server.log()[-5000:]}"
+                )
+            try:
+                if requests.get(f"{server.url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                server.terminate(timeout=10)
+                raise TimeoutError(f"server not healthy in {timeout}s:\n{server.log()[-5000:]}")
+            time.sleep(1)
+    return server
+
+
+@pytest.fixture
+def launch_server(ray_head, tiny_model, tmp_path):
+    servers: List[Server] = []
+
+    def launch(extra_args: List[str], **kwargs) -> Server:
+        kwargs.setdefault("log_dir", tmp_path)
+        server = start_server(kwargs.pop("model_path", tiny_model), kwargs.pop("head", ray_head), extra_args, **kwargs)
+        servers.append(server)
+        return server
+
+    yield launch
+    for s in servers:
+        s.terminate()
+
+
+# --------------------------------------------------------------------------- #
+# Cluster inspection
+# --------------------------------------------------------------------------- #
+def live_actors(ray_mod, class_name: str = "SchedulerActor", namespace: Optional[str] = None):
+    from ray._private import state
+
+    out = []
+    for a in state.actors().values():
+        if a.get("ActorClassName") != class_name or a.get("State") == "DEAD":
+            continue
+        out.append(a)
+    return out
+
+
+def live_placement_groups(ray_mod):
+    return [
+        pg for pg in ray_mod.util.placement_group_table().values()
+        if pg["state"] != "REMOVED"
+    ]
+
+
+def wait_until(pred, timeout: float, interval: float = 0.5, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

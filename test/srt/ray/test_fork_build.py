@@ -1,0 +1,132 @@
+"""The fork build: pinned wheel, patch series, module overlay, metadata."""
+
+from __future__ import annotations
+
+import csv
+import importlib.metadata as md
+import io
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "python"))
+
+import fork_build  # noqa: E402
+
+
+@pytest.fixture
+def cfg():
+    return fork_build.ForkConfig.load()
+
+
+def _copy_patches(tmp_path: Path) -> Path:
+    dst = tmp_path / "patches"
+    shutil.copytree(REPO / "patches", dst)
+    return dst
+
+
+def test_series_applies_and_version_is_local(cfg, tmp_path):
+    out = fork_build.build(cfg, tmp_path, log=lambda m: None)
+    assert out.name.startswith(f"sglang-{cfg.base_version}+{cfg.local_version}-")
+    with zipfile.ZipFile(out) as zf:
+        names = set(zf.namelist())
+        meta = zf.read(f"sglang-{cfg.version}.dist-info/METADATA").decode()
+        record = zf.read(f"sglang-{cfg.version}.dist-info/RECORD").decode()
+        version_py = zf.read("sglang/_version.py").decode()
+    assert "sglang/srt/ray/actor_naming.py" in names
+    assert f"Version: {cfg.version}\n" in meta
+    assert 'Requires-Dist: ray[default]>=2.56.0; extra == "ray"' in meta
+    assert 'Requires-Dist: nixl-cu13>=1.5.1; extra == "ray"' in meta
+    assert "ray[default]>=2.55.1" not in meta  # upstream's requirement replaced
+    assert f"__version__ = version = '{cfg.version}'" in version_py
+    # RECORD lists every file with a hash (RECORD itself without).
+    rows = list(csv.reader(io.StringIO(record)))
+    assert {r[0] for r in rows} == names
+    assert all(r[1].startswith("sha256=") for r in rows if not r[0].endswith("RECORD"))
+
+
+def test_corrupted_patch_fails_naming_the_patch(cfg, tmp_path):
+    patches = _copy_patches(tmp_path)
+    victim = (patches / "series").read_text().split()[-1]
+    text = (patches / victim).read_text()
+    # Change a context line so the hunk no longer matches upstream.
+    broken = text.replace("\n     ", "\n     # not upstream\n ", 1)
+    assert broken != text
+    (patches / victim).write_text(broken)
+    cfg.patches_dir = patches
+    with pytest.raises(fork_build.ForkBuildError, match=f"patch {victim} does not apply"):
+        fork_build.build(cfg, tmp_path / "out", log=lambda m: None)
+    assert not list((tmp_path / "out").glob("*.whl"))
+
+
+def test_series_naming_a_missing_patch_fails(cfg, tmp_path):
+    patches = _copy_patches(tmp_path)
+    with open(patches / "series", "a") as f:
+        f.write("9999-missing.patch\n")
+    cfg.patches_dir = patches
+    with pytest.raises(fork_build.ForkBuildError, match="9999-missing.patch"):
+        fork_build.build(cfg, tmp_path / "out", log=lambda m: None)
+
+
+def test_module_overwriting_upstream_file_fails(cfg, tmp_path):
+    modules = tmp_path / "sglang"
+    shutil.copytree(REPO / "python" / "sglang", modules)
+    (modules / "srt" / "ray" / "engine.py").write_text("# shadow\n")
+    cfg.modules_dir = modules
+    with pytest.raises(
+        fork_build.ForkBuildError, match=r"sglang/srt/ray/engine\.py would overwrite the upstream file"
+    ):
+        fork_build.build(cfg, tmp_path / "out", log=lambda m: None)
+
+
+def test_wrong_sha256_is_refused(cfg, tmp_path):
+    name = fork_build.base_wheel_name(cfg)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / name).write_bytes(b"not the wheel")
+    cfg.cache_dir = cache
+    with pytest.raises(fork_build.ForkBuildError, match="does not match the pinned"):
+        fork_build.fetch_base_wheel(cfg)
+
+
+def test_cli_exit_code_and_message_on_bad_patch(tmp_path):
+    patches = _copy_patches(tmp_path)
+    first = (patches / "series").read_text().split()[0]
+    # A removed line that upstream does not have.
+    (patches / first).write_text(
+        (patches / first).read_text().replace("\n-    ", "\n-    XX", 1)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "python" / "fork_build.py"), "--out", str(tmp_path / "o"),
+         "--patches-dir", str(patches)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1
+    assert f"fork build failed: patch {first}" in proc.stderr
+
+
+def test_installed_fork_reports_version_and_requirements(cfg):
+    import sglang
+
+    assert sglang.__version__ == cfg.version
+    assert md.version("sglang") == cfg.version
+    reqs = md.requires("sglang")
+    ray_extra = [r for r in reqs if 'extra == "ray"' in r]
+    assert any(r.startswith("ray[default]>=2.56.0") for r in ray_extra), ray_extra
+    assert any(r.startswith("nixl-cu13") for r in ray_extra), ray_extra
+    # And the environment has what the extra asks for.
+    assert md.version("ray") == "2.60.0"
+    assert md.version("nixl") == "1.5.1"
+    assert md.version("nixl-cu13") == "1.5.1"
+
+
+def test_installed_modules_come_from_this_tree():
+    import sglang.srt.ray.actor_naming as mod
+
+    ours = (REPO / "python" / "sglang" / "srt" / "ray" / "actor_naming.py").read_text()
+    assert Path(mod.__file__).read_text() == ours, "installed fork is stale: run make install"

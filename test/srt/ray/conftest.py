@@ -39,6 +39,7 @@ CPU_SERVER_ARGS = [
     "--attention-backend", "torch_native",
     "--disable-cuda-graph",
     "--max-total-tokens", "4096",
+    "--dtype", "float32",  # the HF reference runs in float32 too
     "--host", "127.0.0.1",
 ]
 

@@ -1,0 +1,55 @@
+"""Weight-update session methods of ``RayEngine`` (the offline engine API).
+
+The same session the HTTP server exposes under ``/weight_sync/*``::
+
+    engine = RayEngine(model_path=..., enable_rdt_weight_sync=True)
+    actors = engine.get_scheduler_actors()
+    engine.begin_weight_sync()            # drains in-flight requests, holds new ones
+    ray.get([a.pull_weights.remote([ref], names) for a in actors])
+    engine.end_weight_sync(weight_version="7")   # post-load, flush, version; resumes
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from sglang.srt.ray.rdt.session import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_LEASE_S,
+    WeightSyncSession,
+)
+
+
+class RdtEngineMixin:
+    def get_scheduler_actors(self) -> List[Any]:
+        """Handles of this engine's SchedulerActors (rank order)."""
+        return list(self._scheduler_init_result.scheduler_actors)
+
+    def _weight_sync_session(self) -> WeightSyncSession:
+        session = getattr(self, "_rdt_session", None)
+        if session is None:
+            session = WeightSyncSession(self.tokenizer_manager, self.get_scheduler_actors)
+            self._rdt_session = session
+        return session
+
+    def begin_weight_sync(
+        self, lease_s: float = DEFAULT_LEASE_S, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    ) -> Dict[str, Any]:
+        return self.loop.run_until_complete(
+            self._weight_sync_session().begin(lease_s, drain_timeout_s)
+        )
+
+    def end_weight_sync(
+        self, weight_version: Optional[str] = None, flush_cache: bool = True
+    ) -> Dict[str, Any]:
+        return self.loop.run_until_complete(
+            self._weight_sync_session().end(weight_version, flush_cache)
+        )
+
+    def abort_weight_sync(self, reason: str = "update aborted by the trainer") -> Dict[str, Any]:
+        return self.loop.run_until_complete(self._weight_sync_session().abort(reason))
+
+    def weight_sync_status(self) -> Dict[str, Any]:
+        from sglang.srt.ray.rdt.http_routes import full_status
+
+        return self.loop.run_until_complete(full_status(self._weight_sync_session()))

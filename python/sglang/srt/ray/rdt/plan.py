@@ -1,0 +1,166 @@
+"""Where each pulled tensor lands: pure checks over names, shapes and dtypes.
+
+Nothing here talks to Ray or NIXL. :func:`plan_pull` takes the tensor metadata
+of every ref (what the trainer put), the parameter names the caller gave and
+the model's live parameters, and returns the target tensors for each ref — or
+raises :class:`WeightSyncError` before a single byte moves. Ray checks targets
+only after the NIXL handshake and per ref, so a pull of several refs whose
+second ref is wrong would already have written the first one; checking every
+ref here first is what keeps a rejected update from touching any weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Mapping, Sequence, Tuple, Union
+
+import torch
+
+
+class WeightSyncError(ValueError):
+    """A pull that was rejected or failed; the message says what and what to do."""
+
+
+class WeightsInconsistentError(WeightSyncError):
+    """A transfer broke after bytes may have landed: weights are a mix now."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: Tuple[int, ...]
+    dtype: Any  # torch.dtype (numpy dtypes are rejected by plan_pull)
+
+    @classmethod
+    def of(cls, entry) -> "TensorSpec":
+        shape, dtype = entry
+        return cls(tuple(int(d) for d in shape), dtype)
+
+    def describe(self) -> str:
+        return f"shape={list(self.shape)} dtype={_dtype_name(self.dtype)}"
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+NamesArg = Union[Sequence[str], Sequence[Sequence[str]]]
+
+
+def group_names(param_names: NamesArg, counts: Sequence[int]) -> List[List[str]]:
+    """Split ``param_names`` into one list per ref.
+
+    Accepted shapes: one flat list in the refs' tensor order (miles' call shape
+    with one ref, or several refs back to back), or one list per ref.
+    """
+    if isinstance(param_names, (str, bytes)) or not isinstance(param_names, Sequence):
+        raise WeightSyncError(
+            f"param_names must be a list of names (or one list per ref), got {type(param_names).__name__}"
+        )
+    total = sum(counts)
+    if param_names and all(
+        isinstance(n, Sequence) and not isinstance(n, (str, bytes)) for n in param_names
+    ):
+        groups = [list(g) for g in param_names]
+        if len(groups) != len(counts):
+            raise WeightSyncError(
+                f"got {len(groups)} name lists for {len(counts)} refs; give one list per ref "
+                "or one flat list in the refs' tensor order"
+            )
+        for i, (g, c) in enumerate(zip(groups, counts)):
+            if len(g) != c:
+                raise WeightSyncError(
+                    f"ref {i} holds {c} tensors but {len(g)} names were given for it"
+                    + (f" (first extra name: {g[c]!r})" if len(g) > c else "")
+                )
+    else:
+        flat = list(param_names)
+        if len(flat) != total:
+            detail = (
+                f"first extra name: {flat[total]!r}" if len(flat) > total
+                else f"the refs' tensors past the names start at index {len(flat)}"
+            )
+            raise WeightSyncError(
+                f"too {'many' if len(flat) > total else 'few'} names: the refs hold "
+                f"{total} tensors ({'+'.join(map(str, counts))}) but {len(flat)} names "
+                f"were given ({detail})"
+            )
+        groups, start = [], 0
+        for c in counts:
+            groups.append(flat[start : start + c])
+            start += c
+    for g in groups:
+        for n in g:
+            if not isinstance(n, str):
+                raise WeightSyncError(f"parameter names must be strings, got {n!r}")
+    return groups
+
+
+def plan_pull(
+    specs_per_ref: Sequence[Sequence[TensorSpec]],
+    names_per_ref: Sequence[Sequence[str]],
+    params: Mapping[str, torch.Tensor],
+) -> List[List[torch.Tensor]]:
+    """Return, per ref, the live tensors the ref's tensors must land in."""
+    if not specs_per_ref:
+        raise WeightSyncError("empty pull: no refs were given")
+    seen = {}
+    targets: List[List[torch.Tensor]] = []
+    for ref_idx, (specs, names) in enumerate(zip(specs_per_ref, names_per_ref)):
+        assert len(specs) == len(names)
+        out = []
+        for pos, (spec, name) in enumerate(zip(specs, names)):
+            where = f"ref {ref_idx} tensor {pos}"
+            if name in seen:
+                raise WeightSyncError(
+                    f"duplicate parameter {name!r} ({seen[name]} and {where}); "
+                    "each parameter may be pulled once per call"
+                )
+            seen[name] = where
+            param = params.get(name)
+            if param is None:
+                raise WeightSyncError(
+                    f"unknown parameter {name!r} ({where}): the rollout model has no "
+                    f"such parameter; {_close_names(name, params)}"
+                )
+            target = param.data if isinstance(param, torch.nn.Parameter) else param
+            if not isinstance(spec.dtype, torch.dtype):
+                raise WeightSyncError(
+                    f"{name!r} ({where}) was put as {spec.describe()}: only torch "
+                    "tensors can be pulled into parameters"
+                )
+            actual = TensorSpec(tuple(target.shape), target.dtype)
+            if actual.shape != spec.shape or actual.dtype != spec.dtype:
+                raise WeightSyncError(
+                    f"layout mismatch for {name!r} ({where}): the trainer sent "
+                    f"{spec.describe()}, the rollout parameter is {actual.describe()}; "
+                    "send tensors in the rollout layout (dtype and TP shard of this rank)"
+                )
+            if not target.is_contiguous():
+                raise WeightSyncError(
+                    f"parameter {name!r} is not contiguous in the rollout model "
+                    f"(strides {list(target.stride())}); RDT can only write into "
+                    "contiguous storage"
+                )
+            out.append(target)
+        targets.append(out)
+    return targets
+
+
+def _close_names(name: str, params: Mapping[str, Any], limit: int = 3) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(params), n=limit, cutoff=0.6)
+    if close:
+        return "did you mean " + ", ".join(repr(c) for c in close) + "?"
+    return f"it has {len(params)} parameters, e.g. {next(iter(params), None)!r}"
+
+
+def unique_storages(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """One tensor per distinct (address, size), for registration bookkeeping."""
+    out, seen = [], set()
+    for t in tensors:
+        key = (t.device, t.data_ptr(), t.numel() * t.element_size())
+        if key not in seen and t.numel() > 0:
+            seen.add(key)
+            out.append(t)
+    return out

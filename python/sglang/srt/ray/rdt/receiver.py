@@ -1,0 +1,343 @@
+"""The receiving side of RDT weight sync: NIXL writes straight into live parameters.
+
+:class:`RdtWeightReceiver` is what a SchedulerActor's ``pull_weights`` runs. It
+is independent of the scheduler (it gets the parameters from a callable), so it
+is tested in a plain Ray actor around a toy model as well as in a real server.
+
+A pull:
+
+1. reads the tensor metadata (shape, dtype) of every ref without fetching;
+2. checks every name, shape, dtype and contiguity against the live parameters
+   (:func:`sglang.srt.ray.rdt.plan.plan_pull`) — a rejected pull moves no byte;
+3. points ``ray.experimental.set_target_for_ref`` at the parameters' storage and
+   keeps the target lists alive until ``ray.get`` returns (Ray holds only weak
+   references: if the targets die, Ray silently allocates fresh tensors and the
+   model is not updated);
+4. fetches all refs with one bounded ``ray.get`` and checks that every returned
+   tensor *is* its target (same data pointer) — otherwise the pull fails loudly.
+
+A failure in step 4 can leave some parameters written and others not; the
+receiver then reports its weights as inconsistent until a complete update is
+finalized (:meth:`mark_consistent`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from sglang.srt.ray.rdt.plan import (
+    TensorSpec,
+    WeightsInconsistentError,
+    WeightSyncError,
+    group_names,
+    plan_pull,
+    unique_storages,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PULL_TIMEOUT_S = 60.0
+
+
+def _rdt_manager():
+    import ray
+
+    return ray._private.worker.global_worker.rdt_manager
+
+
+def ref_tensor_specs(ref, timeout_s: float) -> List[TensorSpec]:
+    """Shapes and dtypes of an RDT ref's tensors, without fetching them."""
+    import ray
+
+    if not isinstance(ref, ray.ObjectRef):
+        raise WeightSyncError(
+            f"expected a ray.ObjectRef, got {type(ref).__name__}; put the tensors with "
+            "ray.put(tensors, _tensor_transport='nixl') and pass the ref nested in a "
+            "list (pull_weights.remote([ref], names)) so Ray does not resolve it"
+        )
+    manager = _rdt_manager()
+    meta = manager.get_rdt_metadata(ref.hex())
+    if meta is None:
+        raise WeightSyncError(
+            f"{ref} is not an RDT object: put it with "
+            "ray.put(tensors, _tensor_transport='nixl')"
+        )
+    if meta.tensor_transport_backend.upper() != "NIXL":
+        raise WeightSyncError(
+            f"{ref} uses tensor transport {meta.tensor_transport_backend!r}; "
+            "pull_weights needs 'nixl'"
+        )
+    transport_meta = meta.tensor_transport_meta
+    if transport_meta is None:
+        transport_meta = manager.wait_for_tensor_transport_metadata(ref.hex(), timeout_s)
+        if transport_meta is None:
+            raise WeightSyncError(
+                f"{ref}: the sender did not create the object within {timeout_s:.0f} s"
+            )
+    return [TensorSpec.of(entry) for entry in transport_meta.tensor_meta]
+
+
+class RegistrationBook:
+    """NIXL registrations of parameter storage, keyed by address.
+
+    NIXL keys registrations by address: a stale one (memory freed or re-used)
+    gives NIXL_ERR_NOT_FOUND or, worse, lets a transfer write into memory that
+    now belongs to something else. Drop everything before memory is released
+    and register again after it is back.
+    """
+
+    def __init__(self, register=None, deregister=None):
+        if register is None or deregister is None:
+            from ray.experimental import deregister_nixl_memory, register_nixl_memory
+
+            register, deregister = register_nixl_memory, deregister_nixl_memory
+        self._register, self._deregister = register, deregister
+        self._entries: Dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def key(t: torch.Tensor) -> tuple:
+        return (str(t.device), t.data_ptr(), t.numel() * t.element_size())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k[2] for k in self._entries)
+
+    def covers(self, t: torch.Tensor) -> bool:
+        return self.key(t) in self._entries
+
+    def register(self, tensors: Sequence[torch.Tensor]) -> int:
+        added = 0
+        for t in unique_storages(tensors):
+            k = self.key(t)
+            if k in self._entries:
+                continue
+            self._register(t)
+            self._entries[k] = t
+            added += 1
+        return added
+
+    def release_all(self) -> int:
+        n = 0
+        for k, t in list(self._entries.items()):
+            try:
+                self._deregister(t)
+            finally:
+                del self._entries[k]
+                n += 1
+        return n
+
+
+class RdtWeightReceiver:
+    """Pull RDT refs into the live parameters returned by ``get_params``."""
+
+    def __init__(
+        self,
+        get_params: Callable[[], Mapping[str, torch.Tensor]],
+        *,
+        device: Optional[torch.device] = None,
+        pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
+        registration_disabled_reason: Optional[str] = None,
+        registrations: Optional[RegistrationBook] = None,
+    ):
+        self._get_params = get_params
+        self._device = device
+        self.pull_timeout_s = pull_timeout_s
+        self._registration_disabled_reason = registration_disabled_reason
+        self._registrations = registrations
+        self._lock = threading.Lock()
+        self._closed = False
+        # consistent | inconsistent
+        self._state = "consistent"
+        self._state_reason: Optional[str] = None
+        self.stats: Dict[str, Any] = {
+            "pulls": 0, "failed_pulls": 0, "tensors": 0, "bytes": 0, "seconds": 0.0,
+            "last_pull": None,
+        }
+
+    # ------------------------------------------------------------------ #
+    # Registration
+    # ------------------------------------------------------------------ #
+    def register(self) -> Dict[str, Any]:
+        if self._registration_disabled_reason:
+            logger.info(
+                "[RDT] register_weight_for_rdt skipped: %s", self._registration_disabled_reason
+            )
+            return {"registered": False, "reason": self._registration_disabled_reason}
+        with self._lock:
+            self._check_open()
+            self._bind_device()
+            if self._registrations is None:
+                self._registrations = RegistrationBook()
+            t0 = time.perf_counter()
+            params = [p.data for p in self._get_params().values()]
+            added = self._registrations.register(params)
+            dt = time.perf_counter() - t0
+        logger.info(
+            "[RDT] registered %d parameter storages (%.1f MiB) with NIXL in %.3f s",
+            len(self._registrations), self._registrations.nbytes / 2**20, dt,
+        )
+        return {
+            "registered": True,
+            "new_registrations": added,
+            "registrations": len(self._registrations),
+            "bytes": self._registrations.nbytes,
+            "seconds": dt,
+        }
+
+    def deregister(self) -> int:
+        with self._lock:
+            if self._registrations is None:
+                return 0
+            n = self._registrations.release_all()
+        if n:
+            logger.info("[RDT] released %d NIXL registrations", n)
+        return n
+
+    def close(self) -> None:
+        """Release registrations and refuse later pulls."""
+        self.deregister()
+        with self._lock:
+            self._closed = True
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._registrations)
+
+    # ------------------------------------------------------------------ #
+    # Consistency
+    # ------------------------------------------------------------------ #
+    def mark_inconsistent(self, reason: str) -> None:
+        self._state, self._state_reason = "inconsistent", reason
+
+    def mark_consistent(self) -> None:
+        self._state, self._state_reason = "consistent", None
+
+    @property
+    def consistent(self) -> bool:
+        return self._state == "consistent"
+
+    def status(self) -> Dict[str, Any]:
+        return {
+            "weights_consistent": self.consistent,
+            "inconsistent_reason": self._state_reason,
+            "registered": self.registered,
+            "registration_disabled_reason": self._registration_disabled_reason,
+            **{k: v for k, v in self.stats.items()},
+        }
+
+    # ------------------------------------------------------------------ #
+    # Pull
+    # ------------------------------------------------------------------ #
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WeightSyncError("the engine is shut down; this rank accepts no more pulls")
+
+    def _bind_device(self) -> None:
+        # Ray runs actor methods on threads other than the one that set the
+        # device; CUDA's current device is per thread.
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+
+    def pull(
+        self,
+        weights_refs: Sequence[Any],
+        param_names,
+        timeout_s: Optional[float] = None,
+    ) -> Dict[str, Any]:
+        import ray
+
+        timeout_s = self.pull_timeout_s if timeout_s is None else float(timeout_s)
+        if weights_refs is None or isinstance(weights_refs, ray.ObjectRef):
+            raise WeightSyncError(
+                "weights_refs must be a list of refs: pull_weights.remote([ref], names)"
+            )
+        refs = list(weights_refs)
+        if not refs:
+            raise WeightSyncError("empty pull: no refs were given")
+        with self._lock:
+            self._check_open()
+            self._bind_device()
+            t0 = time.perf_counter()
+            specs = [ref_tensor_specs(r, timeout_s) for r in refs]
+            names = group_names(param_names, [len(s) for s in specs])
+            params = self._get_params()
+            targets = plan_pull(specs, names, params)
+            nbytes = sum(t.numel() * t.element_size() for ts in targets for t in ts)
+            ntensors = sum(len(ts) for ts in targets)
+            t_plan = time.perf_counter() - t0
+
+            from ray.experimental import set_target_for_ref
+
+            # `targets` stays referenced here until ray.get returns: Ray's own
+            # references to it are weak.
+            for ref, ts in zip(refs, targets):
+                set_target_for_ref(ref, ts)
+            t1 = time.perf_counter()
+            try:
+                results = ray.get(refs, timeout=timeout_s)
+            except BaseException as e:
+                self.stats["failed_pulls"] += 1
+                reason = (
+                    f"a pull of {ntensors} tensors failed mid-transfer after "
+                    f"{time.perf_counter() - t1:.2f} s ({type(e).__name__}); some "
+                    "parameters may hold new bytes and others old ones"
+                )
+                self.mark_inconsistent(reason)
+                logger.error("[RDT] %s: %s", reason, e)
+                raise WeightsInconsistentError(
+                    f"{reason}. The engine reports its weights as inconsistent until a "
+                    f"complete update is finalized. Cause: {type(e).__name__}: {e}"
+                ) from e
+            t_fetch = time.perf_counter() - t1
+            self._verify_in_place(results, targets, names)
+            del results
+            seconds = time.perf_counter() - t0
+
+        stats = {
+            "tensors": ntensors,
+            "bytes": nbytes,
+            "seconds": seconds,
+            "fetch_seconds": t_fetch,
+            "plan_seconds": t_plan,
+            "gbps": nbytes / t_fetch / 1e9 if t_fetch > 0 else float("inf"),
+            "refs": len(refs),
+            "transport": "nixl",
+            "registered": self.registered,
+        }
+        self.stats["pulls"] += 1
+        self.stats["tensors"] += ntensors
+        self.stats["bytes"] += nbytes
+        self.stats["seconds"] += seconds
+        self.stats["last_pull"] = stats
+        logger.info(
+            "[RDT] pulled %d tensors, %.1f MiB in %.3f s (%.2f GB/s, transport=nixl, registered=%s)",
+            ntensors, nbytes / 2**20, t_fetch, stats["gbps"], self.registered,
+        )
+        return stats
+
+    def _verify_in_place(self, results, targets, names) -> None:
+        for ref_idx, (got, want, ns) in enumerate(zip(results, targets, names)):
+            got = list(got) if isinstance(got, (list, tuple)) else [got]
+            if len(got) != len(want):
+                self.mark_inconsistent("a pull returned a different number of tensors")
+                raise WeightsInconsistentError(
+                    f"ref {ref_idx} returned {len(got)} tensors for {len(want)} targets"
+                )
+            for g, w, n in zip(got, want, ns):
+                if not isinstance(g, torch.Tensor) or g.data_ptr() != w.data_ptr():
+                    # Ray fetched into a buffer of its own: the model did not change
+                    # (or changed only partly if other tensors did land).
+                    self.mark_inconsistent(f"{n!r} was not written in place")
+                    raise WeightsInconsistentError(
+                        f"{n!r} was fetched into a new buffer instead of the live "
+                        "parameter (target dropped by Ray?); the model was not updated "
+                        "in place"
+                    )

@@ -179,6 +179,10 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def arg(self, flag: str) -> Optional[str]:
+        """The value given to ``flag`` on the command line, if any."""
+        return self.args[self.args.index(flag) + 1] if flag in self.args else None
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -226,6 +230,12 @@ def start_server(
     port: Optional[int] = None,
 ) -> Server:
     port = port or free_port()
+    if (
+        {"--enable-rdt-weight-sync", "--enable-engine-info-bootstrap"} & set(extra_args)
+        and "--engine-info-bootstrap-port" not in extra_args
+    ):
+        # Default 6789 would clash between servers of one test session.
+        extra_args = [*extra_args, "--engine-info-bootstrap-port", str(free_port())]
     args = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path), "--port", str(port),

@@ -17,6 +17,7 @@ discoverable by trainers in other Ray jobs:
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Optional
 
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -28,6 +29,15 @@ from sglang.srt.ray.cluster import actor_resources
 # pull_weights, register_weight_for_rdt, finalize and status calls.
 RDT_ACTOR_MAX_CONCURRENCY = 8
 RDT_ACTOR_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+# Actors start from the cluster's raylet, not from the launching process, so
+# they do not see its environment; forward sglang's own settings.
+FORWARDED_ENV_PREFIXES = ("SGLANG_", "SGL_")
+
+
+def forwarded_env() -> Dict[str, str]:
+    return {
+        k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)
+    }
 
 
 def scheduler_actor_options(
@@ -50,14 +60,17 @@ def scheduler_actor_options(
         ),
     )
     ranks = dict(dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, bundle_index=bundle_index)
+    env_vars = forwarded_env()
     if discoverable:
+        env_vars.update(RDT_ACTOR_ENV)
         options.update(
             name=get_scheduler_actor_name(rank0_node_ip, port=http_port, **ranks),
             lifetime="detached",
             max_concurrency=RDT_ACTOR_MAX_CONCURRENCY,
-            runtime_env={"env_vars": dict(RDT_ACTOR_ENV)},
         )
-    else:
+    if env_vars:
+        options["runtime_env"] = {"env_vars": env_vars}
+    if not discoverable:
         options["name"] = get_scheduler_actor_name(
             rank0_node_ip, placement_group_id=placement_group.id.hex(), **ranks
         )

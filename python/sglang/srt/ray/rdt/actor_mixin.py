@@ -44,34 +44,6 @@ NOT_QUIESCED = (
     "generation (POST /pause_generation) and let running requests finish."
 )
 
-_PARALLEL_FIELDS = (
-    "tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size",
-    "attn_tp_rank", "attn_tp_size", "attn_dp_rank", "attn_dp_size",
-    "attn_cp_rank", "attn_cp_size", "moe_ep_rank", "moe_ep_size",
-    "moe_tp_rank", "moe_tp_size", "moe_dp_rank", "moe_dp_size",
-    "node_rank", "nnodes", "launch_world_rank", "launch_world_size",
-)
-
-
-def read_parallelism_config(gpu_id: Optional[int], device: Optional[str]) -> Dict[str, Any]:
-    """This process's parallel layout, from the published runtime context."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    out: Dict[str, Any] = {}
-    for name in _PARALLEL_FIELDS:
-        try:
-            value = getattr(parallel, name)
-        except Exception:
-            value = None
-        out[name] = value if isinstance(value, (int, type(None))) else int(value)
-    out["world_rank"] = out.pop("launch_world_rank")
-    out["world_size"] = out.pop("launch_world_size")
-    out["device"] = device
-    out["device_id"] = gpu_id
-    return out
-
-
 def _is_quiesced(scheduler) -> Optional[str]:
     """None when a pull is safe now, else why not."""
     updater = getattr(scheduler, "weight_updater", None)
@@ -275,6 +247,9 @@ class RdtWeightSyncMixin:
         return status
 
     def get_parallelism_config(self) -> Dict[str, Any]:
+        """This rank's parallel layout (the same record the bootstrap server serves)."""
+        from sglang.srt.model_executor.parallelism_config import read_parallelism_config
+
         return read_parallelism_config(self._rdt_gpu_id, self._rdt_device)
 
     def get_parameter_layout(self) -> Dict[str, Dict[str, Any]]:

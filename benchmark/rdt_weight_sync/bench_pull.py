@@ -1,0 +1,933 @@
+#!/usr/bin/env python3
+"""Speed of RDT weight sync's receiving path, against NCCL and the copy ceiling.
+
+One run measures, for each workload (``uniform``: N equal bf16 tensors;
+``model``: the parameters of a decoder built from a transformers config, in
+sglang's fused layout), with the sender on one device and the receiver on
+another, each in its own Ray actor:
+
+* ``pull``: :class:`sglang.srt.ray.rdt.receiver.RdtWeightReceiver` — the code
+  ``SchedulerActor.pull_weights`` runs — pulling one NIXL ref into registered
+  live tensors: the cold first pull right after ``register()`` and the median
+  of steady pulls, with a stage breakdown (plan, remote-agent load, descriptor
+  and transfer set-up, copy) and the receiver's peak extra memory;
+* ``nccl`` (CUDA): sglang's ``update_weights_from_distributed`` pattern — per
+  bucket of ``--nccl-bucket-mib``, the receiver allocates the bucket's tensors,
+  each tensor is broadcast with ``async_op=True``, then copied into the
+  parameters (``load_weights``);
+* ``ipc`` (CUDA, optional): the same receiver pulling a ref put with the
+  ``SGLANG_IPC`` transport (:mod:`sglang.srt.ray.rdt.cuda_ipc_transport`);
+* the ceiling: copies of same-shaped tensors between the two devices in the
+  driver process (CUDA: one tensor, a per-tensor loop with torch, and raw copy
+  engine loops on 1 or more streams; CPU: memcpy).
+
+Every pull and broadcast is checked byte for byte: the sender fills its tensors
+with a deterministic pattern, the receiver poisons its targets first and
+compares every byte with the pattern it computes itself.
+
+Examples::
+
+    # GPU (two GPUs): everything
+    python benchmark/rdt_weight_sync/bench_pull.py --device cuda
+    # CPU (CI smoke test): NIXL over DRAM vs memcpy, small
+    python benchmark/rdt_weight_sync/bench_pull.py --device cpu --uniform 8x1
+
+It starts a local Ray (``ray.init()``) unless ``RAY_ADDRESS`` names a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Tuple
+
+import ray
+import torch
+
+GB = 1e9
+GiB = 2**30
+MiB = 2**20
+
+# A Qwen3-4B-sized decoder (4.02 B parameters, tied embeddings).
+PRESETS: Dict[str, Dict[str, Any]] = {
+    "qwen3-4b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
+    "tiny": dict(
+        model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        tie_word_embeddings=True, max_position_embeddings=256,
+    ),
+}
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# --------------------------------------------------------------------------- #
+# Workloads: lists of (name, shape, dtype)
+# --------------------------------------------------------------------------- #
+def uniform_workload(n: int, mib: float, dtype: torch.dtype):
+    numel = int(mib * MiB) // torch.empty((), dtype=dtype).element_size()
+    return [(f"w.{i}", (numel,), dtype) for i in range(n)]
+
+
+def model_workload(preset: str, dtype: torch.dtype, layout: str = "sglang"):
+    """Parameter names and shapes of a transformers model, without weights.
+
+    ``layout="sglang"`` fuses q/k/v into ``qkv_proj`` and gate/up into
+    ``gate_up_proj`` as sglang's model classes do (what a rollout rank holds).
+    """
+    import transformers
+
+    if os.path.exists(preset):
+        cfg = transformers.AutoConfig.from_pretrained(preset)
+    else:
+        kw = dict(PRESETS[preset])
+        mt = kw.pop("model_type")
+        try:
+            cfg = transformers.AutoConfig.for_model(mt, **kw)
+        except (KeyError, ValueError):  # an older transformers without qwen3
+            kw.pop("head_dim", None)
+            cfg = transformers.AutoConfig.for_model("qwen2", **kw)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # tied: once
+    arch = type(model).__name__
+    del model
+    if layout == "sglang":
+        shapes = fuse_like_sglang(shapes)
+    params = sum(int(torch.Size(s).numel()) for _, s in shapes)
+    return [(n, s, dtype) for n, s in shapes], {
+        "arch": arch, "params": params, "transformers": transformers.__version__,
+        "config": {k: getattr(cfg, k, None) for k in (
+            "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")},
+    }
+
+
+def fuse_like_sglang(shapes):
+    out, pending = [], {}
+    groups = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, 3), "self_attn.k_proj": ("self_attn.qkv_proj", 1, 3),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2, 3), "mlp.gate_proj": ("mlp.gate_up_proj", 0, 2),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1, 2),
+    }
+    for name, shape in shapes:
+        for part, (fused, pos, count) in groups.items():
+            if f".{part}." in name:
+                fname = name.replace(part, fused)
+                slot = pending.setdefault(fname, [None] * count)
+                slot[pos] = shape
+                if all(s is not None for s in slot):
+                    rows = sum(s[0] for s in slot)
+                    out.append((fname, (rows,) + tuple(slot[0][1:])))
+                    del pending[fname]
+                break
+        else:
+            out.append((name, shape))
+    assert not pending, pending
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Deterministic contents, checked byte for byte
+# --------------------------------------------------------------------------- #
+def words_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat int32 (or uint8) view."""
+    b = t.reshape(-1).view(torch.uint8)
+    return b.view(torch.int32) if b.numel() % 4 == 0 else b
+
+
+def base_pattern(t: torch.Tensor, idx: int, chunk: int = 1 << 24) -> torch.Tensor:
+    w = words_of(t)
+    out = torch.empty_like(w)
+    for start in range(0, w.numel(), chunk):
+        n = min(chunk, w.numel() - start)
+        x = torch.arange(start, start + n, dtype=torch.int64, device=t.device)
+        x = x * 0x9E3779B1 + (idx * 0x632BE5AB + 0x1234567)
+        x = x ^ (x >> 17)
+        x = (x & 0x7FFFFFFF) * 0x7FEB352D
+        x = x ^ (x >> 15)
+        if out.dtype == torch.int32:
+            x = (x & 0xFFFFFFFF) - 0x80000000
+        else:
+            x = x & 0xFF
+        out[start:start + n] = x.to(out.dtype)
+    return out
+
+
+def seed_const(seed: int, dtype: torch.dtype) -> int:
+    c = (seed * 0x01000193 + 0x5BD1E995) & 0x7FFFFFFF
+    return c if dtype == torch.int32 else c & 0x7F
+
+
+class Pattern:
+    """Per-tensor base words; round ``seed`` holds ``base ^ const(seed)``."""
+
+    def __init__(self, tensors: List[torch.Tensor]):
+        self.base = [base_pattern(t, i) for i, t in enumerate(tensors)]
+
+    def fill(self, tensors, seed: int) -> None:
+        for t, b in zip(tensors, self.base):
+            torch.bitwise_xor(b, seed_const(seed, b.dtype), out=words_of(t))
+
+    def check(self, tensors, seed: int) -> List[int]:
+        bad = []
+        for i, (t, b) in enumerate(zip(tensors, self.base)):
+            if not torch.equal(words_of(t) ^ seed_const(seed, b.dtype), b):
+                bad.append(i)
+        return bad
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------- #
+# Timing of the receiving side's NIXL stages (instrumentation, benchmark only)
+# --------------------------------------------------------------------------- #
+class StageTimer:
+    def __init__(self):
+        self.t: Dict[str, float] = defaultdict(float)
+        self.n: Dict[str, int] = defaultdict(int)
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        orig = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                self.t[label] += time.perf_counter() - t0
+                self.n[label] += 1
+
+        setattr(obj, name, timed)
+
+    def take(self) -> Dict[str, float]:
+        out = dict(self.t)
+        self.t.clear()
+        self.n.clear()
+        return out
+
+
+def instrument_nixl(timer: StageTimer) -> None:
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    tm = get_tensor_transport_manager("NIXL")
+    agent = tm.get_nixl_agent()
+    timer.wrap(tm, "fetch_multiple_tensors", "fetch_setup")  # everything up to the posted transfer
+    timer.wrap(tm, "wait_fetch_complete", "wait_copy")
+    timer.wrap(tm, "_add_tensor_descs", "local_registration")
+    timer.wrap(agent, "add_remote_agent", "load_remote_metadata")
+    timer.wrap(agent, "deserialize_descs", "descriptors")
+    timer.wrap(agent, "get_xfer_descs", "descriptors")
+    timer.wrap(agent, "initialize_xfer", "prepare_transfer")
+    timer.wrap(agent, "transfer", "post_transfer")
+    timer.wrap(agent, "release_xfer_handle", "release")
+
+
+def transport_name(kind: str) -> str:
+    return "nixl" if kind == "nixl" else "SGLANG_IPC"
+
+
+# --------------------------------------------------------------------------- #
+# Actors
+# --------------------------------------------------------------------------- #
+class _Side:
+    def _setup(self, specs, device_kind: str, register_ipc: bool):
+        if register_ipc:
+            from sglang.srt.ray.rdt import cuda_ipc_transport
+
+            cuda_ipc_transport.register()
+        if device_kind == "cuda":
+            idx = int(ray.get_gpu_ids()[0])
+            self.device = torch.device("cuda", idx)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(1)
+        self.names = [n for n, _, _ in specs]
+        self.tensors = [torch.empty(s, dtype=d, device=self.device) for _, s, d in specs]
+        self.pattern = Pattern(self.tensors)
+        sync(self.device)
+        self.pg = None
+
+    def where(self):
+        return {"device": str(self.device), "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id()[:8],
+                "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    # NCCL, sglang's update_weights_from_distributed pattern
+    def nccl_init(self, port: int, rank: int):
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank,
+            device_id=self.device,
+        )
+        self.pg = dist.group.WORLD
+        return True
+
+    def nccl_close(self):
+        import torch.distributed as dist
+
+        if self.pg is not None:
+            dist.destroy_process_group()
+            self.pg = None
+
+    def _buckets(self, bucket_bytes: int) -> List[List[int]]:
+        out, cur, size = [], [], 0
+        for i, t in enumerate(self.tensors):
+            n = t.numel() * t.element_size()
+            if cur and size + n > bucket_bytes:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += n
+        if cur:
+            out.append(cur)
+        return out
+
+    def _barrier(self):
+        import torch.distributed as dist
+
+        x = torch.ones(1, device=self.device)
+        dist.all_reduce(x)
+        torch.cuda.synchronize(self.device)
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class Sender(_Side):
+    def __init__(self, specs, device_kind, register_ipc=False):
+        self._setup(specs, device_kind, register_ipc)
+        self.refs = []
+
+    def register(self):
+        from ray.experimental import register_nixl_memory
+
+        t0 = time.perf_counter()
+        for t in self.tensors:
+            register_nixl_memory(t)
+        return time.perf_counter() - t0
+
+    def fill(self, seed: int):
+        self.pattern.fill(self.tensors, seed)
+        sync(self.device)
+        return True
+
+    def put(self, kind: str):
+        t0 = time.perf_counter()
+        ref = ray.put(self.tensors, _tensor_transport=transport_name(kind))
+        dt = time.perf_counter() - t0
+        self.refs.append(ref)
+        info = {"put_seconds": dt}
+        meta = ray._private.worker.global_worker.rdt_manager.get_rdt_metadata(ref.hex())
+        tm = meta.tensor_transport_meta if meta is not None else None
+        nixl = getattr(tm, "nixl", tm) if tm is not None else None
+        if nixl is not None and getattr(nixl, "nixl_agent_meta", None) is not None:
+            info["nixl_agent_meta_bytes"] = len(nixl.nixl_agent_meta)
+            info["nixl_descs_bytes"] = len(nixl.nixl_serialized_descs or b"")
+        ipc = getattr(tm, "ipc", None)
+        if ipc is not None:
+            info["ipc_segments"] = len(ipc.segments)
+        elif getattr(tm, "ipc_unavailable", None):
+            info["ipc_unavailable"] = tm.ipc_unavailable
+        return [ref], info
+
+    def drop(self):
+        self.refs.clear()
+        return True
+
+    def nccl_send(self, bucket_bytes: int, iters: int):
+        import torch.distributed as dist
+
+        times = []
+        for _ in range(iters):
+            self._barrier()
+            t0 = time.perf_counter()
+            for bucket in self._buckets(bucket_bytes):
+                hs = [dist.broadcast(self.tensors[i], src=0, async_op=True) for i in bucket]
+                for h in hs:
+                    h.wait()
+            torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+@ray.remote(num_cpus=0, max_concurrency=2, enable_tensor_transport=True)
+class Receiver(_Side):
+    def __init__(self, specs, device_kind, register_ipc=False, pull_timeout_s=120.0):
+        from sglang.srt.ray.rdt.receiver import RdtWeightReceiver
+
+        self._setup(specs, device_kind, register_ipc)
+        params = dict(zip(self.names, self.tensors))
+        self.receiver = RdtWeightReceiver(
+            lambda: params,
+            device=self.device if self.device.type == "cuda" else None,
+            pull_timeout_s=pull_timeout_s,
+        )
+        self.timer = StageTimer()
+        self._instrumented = False
+
+    def register(self):
+        out = self.receiver.register()
+        if not self._instrumented:
+            instrument_nixl(self.timer)
+            self._instrumented = True
+        return out
+
+    def accept_ipc_refs(self):
+        """Let the receiver read SGLANG_IPC refs (receiver.py accepts only NIXL)."""
+        from sglang.srt.ray.rdt import receiver as receiver_mod
+        from sglang.srt.ray.rdt.plan import TensorSpec
+
+        def ref_tensor_specs(ref, timeout_s):
+            manager = receiver_mod._rdt_manager()
+            meta = manager.get_rdt_metadata(ref.hex())
+            tm = meta.tensor_transport_meta or manager.wait_for_tensor_transport_metadata(
+                ref.hex(), timeout_s)
+            return [TensorSpec.of(e) for e in tm.tensor_meta]
+
+        receiver_mod.ref_tensor_specs = ref_tensor_specs
+        return True
+
+    def ipc_cache(self, enabled: bool):
+        from sglang.srt.ray.rdt import cuda_ipc_transport
+
+        t = cuda_ipc_transport.transport()
+        t.cache_mappings = enabled
+        if not enabled:
+            cuda_ipc_transport.close_ipc_mappings()
+        return t.mapping_stats()
+
+    def poison(self, seed: int):
+        self.pattern.fill(self.tensors, seed + 7919)
+        sync(self.device)
+        return True
+
+    def verify(self, seed: int):
+        sync(self.device)
+        bad = self.pattern.check(self.tensors, seed)
+        return {"ok": not bad, "bad": [self.names[i] for i in bad[:5]], "nbad": len(bad)}
+
+    def pointers(self):
+        return [t.data_ptr() for t in self.tensors]
+
+    def pull(self, refs, names, kind: str):
+        dev = self.device
+        cuda = dev.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            free0 = torch.cuda.mem_get_info(dev)[0]
+        self.timer.take()
+        t0 = time.perf_counter()
+        stats = self.receiver.pull(refs, names)
+        wall = time.perf_counter() - t0
+        stats = dict(stats)
+        stats["wall_seconds"] = wall
+        stats["stages"] = self.timer.take()
+        if cuda:
+            stats["peak_extra_bytes"] = torch.cuda.max_memory_allocated(dev) - base
+            stats["device_used_delta_bytes"] = free0 - torch.cuda.mem_get_info(dev)[0]
+        if kind == "ipc":
+            from sglang.srt.ray.rdt import cuda_ipc_transport
+
+            info = cuda_ipc_transport.last_fetch()
+            stats["transport"] = f"{cuda_ipc_transport.TRANSPORT_NAME}/{info.path}"
+            stats["ipc"] = dict(info.__dict__)
+            stats["ipc_mappings"] = cuda_ipc_transport.transport().mapping_stats()
+        return stats
+
+    def nccl_recv(self, bucket_bytes: int, iters: int):
+        import torch.distributed as dist
+
+        out = []
+        for _ in range(iters):
+            self._barrier()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            t0 = time.perf_counter()
+            bcast = 0.0
+            for bucket in self._buckets(bucket_bytes):
+                tb = time.perf_counter()
+                bufs = [torch.empty_like(self.tensors[i]) for i in bucket]
+                hs = [dist.broadcast(b, src=0, async_op=True) for b in bufs]
+                for h in hs:
+                    h.wait()
+                torch.cuda.synchronize(self.device)
+                bcast += time.perf_counter() - tb
+                for i, b in zip(bucket, bufs):  # load_weights: copy into the parameter
+                    self.tensors[i].copy_(b)
+                del bufs
+            torch.cuda.synchronize(self.device)
+            out.append({
+                "seconds": time.perf_counter() - t0, "broadcast_seconds": bcast,
+                "peak_extra_bytes": torch.cuda.max_memory_allocated(self.device) - base,
+            })
+        return out
+
+
+# --------------------------------------------------------------------------- #
+# Ceilings, in the driver
+# --------------------------------------------------------------------------- #
+def median_time(fn, reps: int, warmup: int = 1) -> Tuple[float, List[float]]:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), ts
+
+
+def cuda_ceilings(specs, src_idx: int, dst_idx: int, reps: int, streams: List[int]) -> Dict[str, Any]:
+    d0, d1 = torch.device("cuda", src_idx), torch.device("cuda", dst_idx)
+    src = [torch.empty(s, dtype=d, device=d0) for _, s, d in specs]
+    dst = [torch.empty(s, dtype=d, device=d1) for _, s, d in specs]
+    Pattern(src).fill(src, 1)  # not zeros
+    nbytes = sum(t.numel() * t.element_size() for t in src)
+    out: Dict[str, Any] = {"bytes": nbytes}
+
+    def sync_both():
+        torch.cuda.synchronize(d0)
+        torch.cuda.synchronize(d1)
+
+    def torch_loop():
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
+        sync_both()
+
+    t, ts = median_time(torch_loop, reps)
+    out["torch_per_tensor"] = {"seconds": t, "all": ts}
+    out["torch_per_tensor"]["bytes_ok"] = all(torch.equal(words_of(d).cpu()[:1024], words_of(s).cpu()[:1024]) for d, s in zip(dst[:4], src[:4]))
+
+    try:
+        from sglang.srt.ray.rdt.cuda_ipc_transport import driver
+
+        drv = driver()
+        drv.enable_peer_access(dst_idx, src_idx)
+        drv.enable_peer_access(src_idx, dst_idx)
+        pairs = [(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size()) for d, s in zip(dst, src)]
+        for engine, eng_idx in (("pull", dst_idx), ("push", src_idx)):
+            for k in streams:
+                strs = [torch.cuda.Stream(device=eng_idx) for _ in range(k)]
+                from sglang.srt.ray.rdt.cuda_ipc_transport import spread
+
+                queues = spread(pairs, k)
+
+                def ce_loop():
+                    drv.push(eng_idx)
+                    try:
+                        for q, st in zip(queues, strs):
+                            h = st.cuda_stream
+                            for dp, sp, n in q:
+                                drv.memcpy_async(dp, sp, n, h)
+                    finally:
+                        drv.pop()
+                    for st in strs:
+                        st.synchronize()
+
+                t, ts = median_time(ce_loop, reps)
+                out[f"ce_{engine}_per_tensor_{k}streams"] = {"seconds": t, "all": ts}
+    except Exception as e:  # pragma: no cover - reported, not fatal
+        out["ce_error"] = f"{type(e).__name__}: {e}"
+    del src, dst
+    torch.cuda.empty_cache()
+
+    bs = torch.empty(nbytes, dtype=torch.uint8, device=d0)
+    bd = torch.empty(nbytes, dtype=torch.uint8, device=d1)
+    bs.fill_(0x5A)
+
+    def one():
+        bd.copy_(bs, non_blocking=True)
+        sync_both()
+
+    t, ts = median_time(one, reps)
+    out["torch_one_tensor"] = {"seconds": t, "all": ts}
+    del bs, bd
+    torch.cuda.empty_cache()
+    return out
+
+
+def cpu_ceilings(specs, reps: int) -> Dict[str, Any]:
+    src = [torch.empty(s, dtype=d) for _, s, d in specs]
+    dst = [torch.empty(s, dtype=d) for _, s, d in specs]
+    Pattern(src).fill(src, 1)
+    for t in dst:
+        t.zero_()  # touch the pages, as live parameters are
+    nbytes = sum(t.numel() * t.element_size() for t in src)
+    out: Dict[str, Any] = {"bytes": nbytes}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+
+        def loop():
+            for d, s in zip(dst, src):
+                d.copy_(s)
+
+        t, ts = median_time(loop, reps)
+        out["memcpy_per_tensor_1thread"] = {"seconds": t, "all": ts}
+        bs = torch.cat([s.reshape(-1).view(torch.uint8) for s in src])
+        bd = torch.zeros_like(bs)
+        t, ts = median_time(lambda: bd.copy_(bs), reps)
+        out["memcpy_one_tensor_1thread"] = {"seconds": t, "all": ts}
+        torch.set_num_threads(threads)
+        t, ts = median_time(lambda: bd.copy_(bs), reps)
+        out[f"memcpy_one_tensor_{threads}threads"] = {"seconds": t, "all": ts}
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Driver
+# --------------------------------------------------------------------------- #
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ipc_available() -> Optional[str]:
+    try:
+        from sglang.srt.ray.rdt import cuda_ipc_transport  # noqa: F401
+    except Exception as e:
+        return f"sglang.srt.ray.rdt.cuda_ipc_transport not importable: {e}"
+    return None
+
+
+def run_pulls(sender, receiver, names, kind: str, rounds: int, seed0: int, log) -> List[Dict[str, Any]]:
+    out = []
+    for r in range(rounds):
+        seed = seed0 + r
+        ray.get([sender.fill.remote(seed), receiver.poison.remote(seed)])
+        refs, put_info = ray.get(sender.put.remote(kind))
+        t0 = time.perf_counter()
+        stats = ray.get(receiver.pull.remote(refs, names, kind))
+        stats["driver_seconds"] = time.perf_counter() - t0
+        stats.update(put_info)
+        stats["check"] = ray.get(receiver.verify.remote(seed))
+        ray.get(sender.drop.remote())
+        del refs
+        out.append(stats)
+        log(f"  {kind} pull {r}: {stats['bytes'] / stats['fetch_seconds'] / GB:8.1f} GB/s "
+            f"(fetch {stats['fetch_seconds'] * 1e3:.1f} ms, total {stats['seconds'] * 1e3:.1f} ms) "
+            f"bytes_ok={stats['check']['ok']} transport={stats.get('transport')}")
+    return out
+
+
+def run_workload(wname: str, specs, args, log) -> Dict[str, Any]:
+    nbytes = sum(int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for _, s, d in specs)
+    res: Dict[str, Any] = {"tensors": len(specs), "bytes": nbytes}
+    cuda = args.device == "cuda"
+    names = [n for n, _, _ in specs]
+    if cuda and not args.skip_ceiling:
+        log(f"[{wname}] peer-copy ceiling in the driver ...")
+        res["ceiling"] = cuda_ceilings(specs, 0, 1, args.reps, args.ceiling_streams)
+    elif not cuda:
+        res["ceiling"] = cpu_ceilings(specs, args.reps)
+
+    want_ipc = "ipc" in args.paths
+    ipc_why = ipc_available() if want_ipc else None
+    if want_ipc and ipc_why:
+        res["ipc_skipped"] = ipc_why
+        want_ipc = False
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if cuda else {}
+    env.update(dict(kv.split("=", 1) for kv in args.actor_env))
+    opts = {"num_gpus": 1 if cuda else 0, "runtime_env": {"env_vars": env}} if env else {"num_gpus": 1 if cuda else 0}
+    t0 = time.perf_counter()
+    sender = Sender.options(**opts).remote(specs, args.device, want_ipc)
+    ray.get(sender.where.remote())
+    receiver = Receiver.options(**opts).remote(specs, args.device, want_ipc)
+    res["placement"] = {"sender": ray.get(sender.where.remote()), "receiver": ray.get(receiver.where.remote())}
+    res["actors_seconds"] = time.perf_counter() - t0
+    log(f"[{wname}] actors: {res['placement']}")
+    try:
+        if "pull" in args.paths or want_ipc:
+            res["sender_register_seconds"] = ray.get(sender.register.remote())
+            res["receiver_register"] = ray.get(receiver.register.remote())
+        ptrs = ray.get(receiver.pointers.remote())
+        if "pull" in args.paths:
+            log(f"[{wname}] NIXL pulls ...")
+            res["pull"] = run_pulls(sender, receiver, names, "nixl", 1 + args.steady, 100, log)
+        if cuda and "nccl" in args.paths:
+            log(f"[{wname}] NCCL broadcast ...")
+            port = free_port()
+            ray.get([sender.nccl_init.remote(port, 0), receiver.nccl_init.remote(port, 1)])
+            ray.get([sender.fill.remote(300), receiver.poison.remote(300)])
+            bb = int(args.nccl_bucket_mib * MiB)
+            s_ref = sender.nccl_send.remote(bb, 1 + args.steady)
+            r_out = ray.get(receiver.nccl_recv.remote(bb, 1 + args.steady))
+            ray.get(s_ref)
+            res["nccl"] = {"iters": r_out, "check": ray.get(receiver.verify.remote(300)),
+                           "bucket_bytes": bb}
+            ray.get([sender.nccl_close.remote(), receiver.nccl_close.remote()])
+            log(f"  nccl: {[round(nbytes / x['broadcast_seconds'] / GB, 1) for x in r_out]} GB/s "
+                f"bytes_ok={res['nccl']['check']['ok']}")
+        if want_ipc:
+            log(f"[{wname}] SGLANG_IPC pulls ...")
+            ray.get(receiver.accept_ipc_refs.remote())
+            res["ipc"] = run_pulls(sender, receiver, names, "ipc", 1 + args.steady, 500, log)
+            if args.ipc_nocache_rounds:
+                ray.get(receiver.ipc_cache.remote(False))
+                res["ipc_nocache"] = run_pulls(sender, receiver, names, "ipc", args.ipc_nocache_rounds, 700, log)
+                ray.get(receiver.ipc_cache.remote(True))
+        res["pointers_unchanged"] = ray.get(receiver.pointers.remote()) == ptrs
+    finally:
+        ray.kill(sender)
+        ray.kill(receiver)
+    return res
+
+
+# --------------------------------------------------------------------------- #
+# Report
+# --------------------------------------------------------------------------- #
+def _gbps(nbytes, s):
+    return nbytes / s / GB if s else float("nan")
+
+
+def summarize(res: Dict[str, Any], device: str) -> Dict[str, Any]:
+    """Rows: (label, GB/s, extra receiver bytes or None, bytes ok or None)."""
+    nbytes = res["bytes"]
+    rows = []
+    ceil = res.get("ceiling", {})
+    ref_per, ref_one = None, None
+    if device == "cuda":
+        labels = [("torch_one_tensor", "peer copy, one tensor (torch copy_)"),
+                  ("torch_per_tensor", "peer copy, per-tensor loop (torch copy_)")]
+        for k in sorted(ceil):
+            if k.startswith("ce_"):
+                eng, _, _, st = k[3:].split("_")
+                labels.append((k, f"copy engine {eng}, per-tensor, {st.replace('streams', '')} stream(s)"))
+        for k, label in labels:
+            if k in ceil:
+                rows.append((label, _gbps(nbytes, ceil[k]["seconds"]), None, None))
+        if "torch_per_tensor" in ceil:
+            ref_per = _gbps(nbytes, ceil["torch_per_tensor"]["seconds"])
+        if "torch_one_tensor" in ceil:
+            ref_one = _gbps(nbytes, ceil["torch_one_tensor"]["seconds"])
+    else:
+        for k in ceil:
+            if k.startswith("memcpy"):
+                rows.append((k.replace("_", " "), _gbps(nbytes, ceil[k]["seconds"]), None, None))
+        ref_per = _gbps(nbytes, ceil["memcpy_per_tensor_1thread"]["seconds"]) if "memcpy_per_tensor_1thread" in ceil else None
+        ref_one = _gbps(nbytes, ceil["memcpy_one_tensor_1thread"]["seconds"]) if "memcpy_one_tensor_1thread" in ceil else None
+
+    def pull_rows(key, label):
+        pulls = res.get(key)
+        if not pulls:
+            return
+        cold, steady = pulls[0], pulls[1:]
+        rows.append((f"{label} cold (1st after register)", _gbps(nbytes, cold["fetch_seconds"]),
+                     cold.get("peak_extra_bytes"), cold["check"]["ok"]))
+        if steady:
+            med = statistics.median(p["fetch_seconds"] for p in steady)
+            rows.append((f"{label} steady (median of {len(steady)})", _gbps(nbytes, med),
+                         max((p.get("peak_extra_bytes") or 0) for p in steady) if device == "cuda" else None,
+                         all(p["check"]["ok"] for p in steady)))
+            medt = statistics.median(p["seconds"] for p in steady)
+            rows.append((f"{label} steady, whole pull() incl. plan", _gbps(nbytes, medt), None, None))
+
+    pull_rows("pull", "pull, NIXL")
+    if res.get("nccl"):
+        it = res["nccl"]["iters"][1:] or res["nccl"]["iters"]
+        mb = statistics.median(x["broadcast_seconds"] for x in it)
+        mt = statistics.median(x["seconds"] for x in it)
+        peak = max(x["peak_extra_bytes"] for x in it)
+        ok = res["nccl"]["check"]["ok"]
+        mib = res["nccl"]["bucket_bytes"] // MiB
+        rows.append((f"NCCL broadcast, {mib} MiB buckets (median of {len(it)})", _gbps(nbytes, mb), peak, ok))
+        rows.append(("NCCL broadcast + copy into params (load_weights)", _gbps(nbytes, mt), peak, ok))
+    pull_rows("ipc", "pull, SGLANG_IPC")
+    pull_rows("ipc_nocache", "pull, SGLANG_IPC, handles re-opened each pull")
+    return {"rows": rows, "ref_per_tensor": ref_per, "ref_one_tensor": ref_one}
+
+
+def stage_table(res: Dict[str, Any]) -> List[Tuple[str, str, str]]:
+    pulls = res.get("pull")
+    if not pulls:
+        return []
+    cold, steady = pulls[0], pulls[1:] or pulls[:1]
+
+    def med(key, src=None):
+        vals = [(p.get(src) or {}).get(key, 0.0) if src else p.get(key, 0.0) for p in steady]
+        return statistics.median(vals)
+
+    def fmt(x):
+        return f"{x * 1e3:9.2f} ms"
+
+    rows = []
+    rr = res.get("receiver_register") or {}
+    rows.append(("registration: receiver register() (once)", fmt(rr.get("seconds", 0.0)), ""))
+    rows.append(("registration: sender register_nixl_memory (once)", fmt(res.get("sender_register_seconds", 0.0)), ""))
+    rows.append(("metadata: sender ray.put (NIXL metadata)", fmt(cold["put_seconds"]), fmt(med("put_seconds"))))
+    rows.append(("  NIXL agent metadata carried by the ref", f"{cold.get('nixl_agent_meta_bytes', 0) / 1024:9.1f} KiB", ""))
+    rows.append(("metadata: receiver read + validate (plan)", fmt(cold["plan_seconds"]), fmt(med("plan_seconds"))))
+    for k, label in (("load_remote_metadata", "handshake: add_remote_agent"),
+                     ("descriptors", "handshake: descriptors"),
+                     ("local_registration", "handshake: local registration lookup"),
+                     ("prepare_transfer", "handshake: initialize_xfer"),
+                     ("post_transfer", "copy: post transfer"),
+                     ("wait_copy", "copy: wait until done"),
+                     ("release", "release transfer handle")):
+        rows.append((label, fmt(cold["stages"].get(k, 0.0)), fmt(med(k, "stages"))))
+    other_c = cold["fetch_seconds"] - cold["stages"].get("fetch_setup", 0) - cold["stages"].get("wait_copy", 0)
+    other_s = statistics.median(p["fetch_seconds"] - p["stages"].get("fetch_setup", 0) - p["stages"].get("wait_copy", 0) for p in steady)
+    rows.append(("ray.get bookkeeping (fetch - setup - wait)", fmt(other_c), fmt(other_s)))
+    rows.append(("= fetch (ray.get)", fmt(cold["fetch_seconds"]), fmt(med("fetch_seconds"))))
+    rows.append(("= whole pull() on the receiver", fmt(cold["seconds"]), fmt(med("seconds"))))
+    rows.append(("driver round trip of pull.remote()", fmt(cold["driver_seconds"]), fmt(med("driver_seconds"))))
+    return rows
+
+
+def print_report(results: Dict[str, Any], args) -> bool:
+    all_ok = True
+    print()
+    for wname, res in results["workloads"].items():
+        s = summarize(res, args.device)
+        head = res.get("describe", wname)
+        print(f"=== {wname}: {head} ===")
+        pl = res.get("placement", {})
+        if pl:
+            print(f"sender {pl['sender']['device']} -> receiver {pl['receiver']['device']}")
+        ref_p, ref_o = s["ref_per_tensor"], s["ref_one_tensor"]
+        print(f"{'path':<52} {'GB/s':>8} {'x per-tensor':>13} {'x one-tensor':>13} {'recv extra MiB':>15} {'bytes ok':>9}")
+        for label, g, extra, ok in s["rows"]:
+            xp = f"{g / ref_p:.2f}" if ref_p else "-"
+            xo = f"{g / ref_o:.2f}" if ref_o else "-"
+            ex = "-" if extra is None else f"{extra / MiB:.1f}"
+            oks = "-" if ok is None else ("yes" if ok else "NO")
+            if ok is False:
+                all_ok = False
+            print(f"{label:<52} {g:8.1f} {xp:>13} {xo:>13} {ex:>15} {oks:>9}")
+        if res.get("ipc_skipped"):
+            print(f"(SGLANG_IPC not run: {res['ipc_skipped']})")
+        if "ce_error" in res.get("ceiling", {}):
+            print(f"(copy-engine ceilings not run: {res['ceiling']['ce_error']})")
+        st = stage_table(res)
+        if st:
+            print(f"\n{'NIXL pull stage (receiver unless noted)':<52} {'cold':>12} {'steady med':>12}")
+            for label, c, m in st:
+                print(f"{label:<52} {c:>12} {m:>12}")
+        if res.get("ipc"):
+            p = res["ipc"]
+            print("\nSGLANG_IPC fetch: " + "; ".join(
+                f"{'cold' if i == 0 else 'pull %d' % i}: path={x['ipc']['path']} opened={x['ipc']['opened']} "
+                f"reused={x['ipc']['reused']} copies={x['ipc']['copies']} streams={x['ipc']['streams']} "
+                f"open={x['ipc']['open_seconds'] * 1e3:.1f}ms copy={x['ipc']['copy_seconds'] * 1e3:.1f}ms"
+                for i, x in enumerate(p[:2])))
+        if res.get("pointers_unchanged") is False:
+            all_ok = False
+            print("!! receiver tensors moved (data_ptr changed)")
+        print()
+    print("BYTE_CHECK:", "PASS" if all_ok else "FAIL")
+    return all_ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--workloads", default=None,
+                    help="comma list of uniform,model (default: both on cuda, uniform on cpu)")
+    ap.add_argument("--uniform", default=None, help="NxMiB, default 256x32 (cuda) / 16x4 (cpu)")
+    ap.add_argument("--model", default=None, help="preset (qwen3-4b, tiny) or a config dir; default qwen3-4b (cuda) / tiny (cpu)")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--paths", default=None, help="comma list of pull,nccl,ipc (default: all that apply)")
+    ap.add_argument("--steady", type=int, default=5, help="steady pulls after the cold one")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of each ceiling copy")
+    ap.add_argument("--ceiling-streams", default="1,4", help="copy-engine ceiling stream counts")
+    ap.add_argument("--nccl-bucket-mib", type=float, default=1024)
+    ap.add_argument("--ipc-nocache-rounds", type=int, default=2)
+    ap.add_argument("--skip-ceiling", action="store_true")
+    ap.add_argument("--actor-env", action="append", default=[], help="KEY=VALUE for both actors (repeatable)")
+    ap.add_argument("--json-out", default=None, help="write all numbers here (default $OUT/bench_pull.json if OUT is set)")
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.workloads = (args.workloads or ("uniform,model" if cuda else "uniform")).split(",")
+    args.paths = (args.paths or ("pull,nccl,ipc" if cuda else "pull,ipc")).split(",")
+    args.ceiling_streams = [int(x) for x in args.ceiling_streams.split(",") if x]
+    uni = args.uniform or ("256x32" if cuda else "16x4")
+    n_uni, mib_uni = uni.lower().split("x")
+    model = args.model or ("qwen3-4b" if cuda else "tiny")
+    dtype = DTYPES[args.dtype]
+    if args.json_out is None and os.environ.get("OUT"):
+        args.json_out = os.path.join(os.environ["OUT"], "bench_pull.json")
+
+    def log(msg):
+        print(msg, flush=True)
+
+    if cuda:
+        if torch.cuda.device_count() < 2:
+            print("--device cuda needs two visible GPUs", file=sys.stderr)
+            return 2
+        for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                     ("NVSHMEM_DISABLE_NVLS", "1")):
+            os.environ.setdefault(k, v)
+        os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+        alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if "expandable_segments:true" in alloc.lower():
+            log("warning: expandable_segments memory cannot be exported by CUDA IPC (NIXL falls back to TCP)")
+    if "ipc" in args.paths and not ipc_available():
+        from sglang.srt.ray.rdt import cuda_ipc_transport
+
+        cuda_ipc_transport.register()  # before the actors are created
+    t_start = time.perf_counter()
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    else:
+        ray.init(num_cpus=max(4, os.cpu_count() or 4), num_gpus=torch.cuda.device_count() if cuda else 0,
+                 include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    results: Dict[str, Any] = {
+        "argv": sys.argv, "device": args.device, "ray": ray.__version__, "torch": torch.__version__,
+        "ray_init_seconds": time.perf_counter() - t_start, "workloads": {},
+    }
+    if cuda:
+        results["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        for w in args.workloads:
+            if w == "uniform":
+                specs = uniform_workload(int(n_uni), float(mib_uni), dtype)
+                desc = f"{n_uni} x {mib_uni} MiB {args.dtype}"
+                extra = {}
+            elif w == "model":
+                specs, extra = model_workload(model, dtype)
+                desc = (f"{extra['arch']} ({model}) in sglang layout, {extra['params'] / 1e9:.2f} B params, "
+                        f"{len(specs)} tensors {args.dtype}")
+            else:
+                raise SystemExit(f"unknown workload {w}")
+            nbytes = sum(int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for _, s, d in specs)
+            desc += f", {nbytes / GiB:.2f} GiB"
+            log(f"[{w}] {desc}")
+            res = run_workload(w, specs, args, log)
+            res["describe"] = desc
+            res.update(extra)
+            results["workloads"][w] = res
+    finally:
+        results["total_seconds"] = time.perf_counter() - t_start
+        if args.json_out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+            with open(args.json_out, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+        ray.shutdown()
+    ok = print_report(results, args)
+    print(f"total {results['total_seconds']:.1f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,696 @@
+"""Same-node fast path for RDT weight sync: CUDA IPC + copy engine, NIXL otherwise.
+
+A custom Ray Direct Transport (``ray.experimental.register_tensor_transport``)
+named ``SGLANG_IPC``. A sender puts its tensors with
+``ray.put(tensors, _tensor_transport="SGLANG_IPC")``; the metadata of that ref
+carries two ways to read them:
+
+* CUDA IPC handles of the cudaMalloc segments that hold the tensors (plus each
+  tensor's offset in its segment), the sender's node id and GPU UUID;
+* the ordinary NIXL metadata of the same tensors (the sender's NIXL
+  registrations are reused, so ``register_nixl_memory`` still pays off).
+
+The receiver (``ray.get`` after ``set_target_for_ref``) picks automatically: a
+receiver on the sender's node that sees the sender's GPU maps the segments and
+copies with the copy engine straight into the target buffers; anything else —
+another node, a GPU it cannot see, CPU tensors, memory that cannot be exported
+by legacy CUDA IPC (``expandable_segments``), a failed ``cuIpcOpenMemHandle`` —
+reads through NIXL as before. :func:`last_fetch` says which path a fetch took.
+
+Life cycle of the mapped segments (a stale mapping must never be read):
+
+* the sender never caches handles: every put asks the driver for the handle of
+  the segment as it is now (a re-allocated segment has a new handle, even at
+  the same address);
+* the receiver caches opened mappings by (sender process, segment base) and
+  uses one only when the current ref names the same handle and size; a
+  different handle at that base closes the old mapping first;
+* the ref keeps the sender's tensors alive during the fetch, and every copy is
+  finished (host-side stream sync) before the fetch returns, so nothing reads
+  a mapping after the ref is gone;
+* mappings unused for ``max_idle_fetches`` fetches, and all mappings of the
+  oldest sender once more than ``max_senders`` were seen, are closed;
+  :func:`close_ipc_mappings` closes everything (call it before the receiver
+  frees its targets or after a trainer restarts).
+
+Traps this avoids (../DESIGN.md section 3): no inter-process CUDA event is
+waited on from another GPU's stream (that segfaulted): the sender synchronises
+its device when it creates the ref, as Ray's NIXL transport does, and the
+receiver synchronises its copy streams on the host. Ray pushes a custom
+transport to a new actor asynchronously, so every process that puts or gets
+calls :func:`register` itself (idempotent); the creator must also call it
+before it creates the actors.
+
+Tuning (environment, read when the transport is created in a process):
+``SGLANG_RDT_IPC_STREAMS`` (copy streams, default 4),
+``SGLANG_RDT_IPC_ENGINE`` (``dst``: the receiving GPU's copy engine reads over
+NVLink, default; ``src``: the source GPU's copy engine writes, which needs a
+context on the source GPU in the receiving process),
+``SGLANG_RDT_IPC_NIXL_FALLBACK`` (``1``: also put NIXL metadata, default).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+TRANSPORT_NAME = "SGLANG_IPC"
+
+# --------------------------------------------------------------------------- #
+# CUDA driver API through ctypes (no extra dependency; loaded on first use)
+# --------------------------------------------------------------------------- #
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+CUDA_ERROR_ALREADY_MAPPED = 208
+
+
+class CudaDriverError(RuntimeError):
+    def __init__(self, call: str, code: int, name: str):
+        super().__init__(f"{call} failed: {name} ({code})")
+        self.code = code
+
+
+class _CUipcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class _Driver:
+    """The few CUDA driver calls this module needs."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        u64, sz, p = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+
+        def fn(names, argtypes):
+            for n in names:
+                f = getattr(lib, n, None)
+                if f is not None:
+                    f.restype = ctypes.c_int
+                    f.argtypes = argtypes
+                    return f
+            raise AttributeError(f"libcuda has none of {names}")
+
+        self.cuInit = fn(["cuInit"], [ctypes.c_uint])
+        self.cuGetErrorName = fn(["cuGetErrorName"], [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)])
+        self.cuDeviceGet = fn(["cuDeviceGet"], [ctypes.POINTER(ctypes.c_int), ctypes.c_int])
+        self.cuDevicePrimaryCtxRetain = fn(
+            ["cuDevicePrimaryCtxRetain"], [ctypes.POINTER(p), ctypes.c_int]
+        )
+        self.cuCtxPushCurrent = fn(["cuCtxPushCurrent_v2", "cuCtxPushCurrent"], [p])
+        self.cuCtxPopCurrent = fn(["cuCtxPopCurrent_v2", "cuCtxPopCurrent"], [ctypes.POINTER(p)])
+        self.cuCtxEnablePeerAccess = fn(["cuCtxEnablePeerAccess"], [p, ctypes.c_uint])
+        self.cuMemGetAddressRange = fn(
+            ["cuMemGetAddressRange_v2", "cuMemGetAddressRange"],
+            [ctypes.POINTER(u64), ctypes.POINTER(sz), u64],
+        )
+        self.cuIpcGetMemHandle = fn(["cuIpcGetMemHandle"], [ctypes.POINTER(_CUipcMemHandle), u64])
+        self.cuIpcOpenMemHandle = fn(
+            ["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"],
+            [ctypes.POINTER(u64), _CUipcMemHandle, ctypes.c_uint],
+        )
+        self.cuIpcCloseMemHandle = fn(["cuIpcCloseMemHandle"], [u64])
+        self.cuMemcpyDtoDAsync = fn(
+            ["cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"], [u64, u64, sz, p]
+        )
+        self.check("cuInit", self.cuInit(0))
+        self._ctx: Dict[int, int] = {}
+
+    def check(self, call: str, rc: int) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.cuGetErrorName(rc, ctypes.byref(name))
+            raise CudaDriverError(call, rc, (name.value or b"?").decode())
+
+    def primary_ctx(self, ordinal: int) -> int:
+        ctx = self._ctx.get(ordinal)
+        if ctx is None:
+            dev = ctypes.c_int()
+            self.check("cuDeviceGet", self.cuDeviceGet(ctypes.byref(dev), ordinal))
+            c = ctypes.c_void_p()
+            self.check("cuDevicePrimaryCtxRetain", self.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev))
+            ctx = self._ctx[ordinal] = c.value
+        return ctx
+
+    def push(self, ordinal: int) -> None:
+        self.check("cuCtxPushCurrent", self.cuCtxPushCurrent(ctypes.c_void_p(self.primary_ctx(ordinal))))
+
+    def pop(self) -> None:
+        c = ctypes.c_void_p()
+        self.check("cuCtxPopCurrent", self.cuCtxPopCurrent(ctypes.byref(c)))
+
+    def enable_peer_access(self, from_ordinal: int, to_ordinal: int) -> None:
+        """Let ``from_ordinal``'s context access ``to_ordinal``'s memory."""
+        self.push(from_ordinal)
+        try:
+            rc = self.cuCtxEnablePeerAccess(ctypes.c_void_p(self.primary_ctx(to_ordinal)), 0)
+            if rc not in (0, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+                self.check("cuCtxEnablePeerAccess", rc)
+        finally:
+            self.pop()
+
+    def address_range(self, ptr: int) -> Tuple[int, int]:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self.check(
+            "cuMemGetAddressRange", self.cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), ptr)
+        )
+        return base.value, size.value
+
+    def ipc_handle(self, base: int) -> bytes:
+        h = _CUipcMemHandle()
+        self.check("cuIpcGetMemHandle", self.cuIpcGetMemHandle(ctypes.byref(h), base))
+        return bytes(h.reserved)
+
+    def ipc_open(self, handle: bytes) -> int:
+        h = _CUipcMemHandle()
+        ctypes.memmove(h.reserved, handle, 64)
+        ptr = ctypes.c_uint64()
+        self.check(
+            "cuIpcOpenMemHandle",
+            self.cuIpcOpenMemHandle(ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+        )
+        return ptr.value
+
+    def ipc_close(self, ptr: int) -> None:
+        self.check("cuIpcCloseMemHandle", self.cuIpcCloseMemHandle(ptr))
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        rc = self.cuMemcpyDtoDAsync(dst, src, nbytes, ctypes.c_void_p(stream))
+        if rc != 0:
+            self.check("cuMemcpyDtoDAsync", rc)
+
+
+_driver: Optional[_Driver] = None
+_driver_lock = threading.Lock()
+
+
+def driver() -> _Driver:
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            _driver = _Driver()
+        return _driver
+
+
+def device_uuid(index: int) -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_ordinal_of(uuid_str: str) -> Optional[int]:
+    import torch
+
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(i) == uuid_str:
+            return i
+    return None
+
+
+def plan_copies(copies: List[Tuple[int, int, int]]) -> List[Tuple[int, int, int]]:
+    """Merge copies that continue each other on both sides: (dst, src, nbytes)."""
+    out: List[List[int]] = []
+    for dst, src, n in copies:
+        if n == 0:
+            continue
+        if out and out[-1][0] + out[-1][2] == dst and out[-1][1] + out[-1][2] == src:
+            out[-1][2] += n
+        else:
+            out.append([dst, src, n])
+    return [tuple(c) for c in out]
+
+
+def spread(copies: List[Tuple[int, int, int]], nstreams: int) -> List[List[Tuple[int, int, int]]]:
+    """Split copies over ``nstreams`` queues, each about the same bytes, order kept."""
+    nstreams = max(1, min(nstreams, len(copies)))
+    total = sum(c[2] for c in copies)
+    queues: List[List[Tuple[int, int, int]]] = [[] for _ in range(nstreams)]
+    acc, q = 0, 0
+    for c in copies:
+        while q < nstreams - 1 and acc >= total * (q + 1) / nstreams:
+            q += 1
+        queues[q].append(c)
+        acc += c[2]
+    return [x for x in queues if x]
+
+
+# --------------------------------------------------------------------------- #
+# The transport
+# --------------------------------------------------------------------------- #
+try:  # Ray is optional for importing this module (the pure helpers above).
+    from ray.experimental.rdt.tensor_transport_manager import (
+        CommunicatorMetadata,
+        TensorTransportManager,
+        TensorTransportMetadata,
+    )
+except ImportError:  # pragma: no cover
+    CommunicatorMetadata = object  # type: ignore
+    TensorTransportManager = object  # type: ignore
+    TensorTransportMetadata = object  # type: ignore
+
+
+@dataclass
+class IpcCommunicatorMetadata(CommunicatorMetadata):  # type: ignore[misc]
+    """Nothing: one-sided."""
+
+
+@dataclass
+class IpcPart:
+    node_id: str
+    sender: str  # one token per sender process
+    pid: int
+    device_uuid: str
+    # (segment base in the sender, segment size, 64-byte IPC handle)
+    segments: List[Tuple[int, int, bytes]]
+    # per tensor: (segment index, byte offset in the segment, nbytes)
+    tensors: List[Tuple[int, int, int]]
+
+
+@dataclass
+class SglangIpcTransportMetadata(TensorTransportMetadata):  # type: ignore[misc]
+    ipc: Optional[IpcPart] = None
+    ipc_unavailable: Optional[str] = None
+    nixl: Any = None  # a NixlTransportMetadata, or None
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
+@dataclass
+class _Mapping:
+    handle: bytes
+    size: int
+    ptr: int
+    ordinal: int
+    last_used: int
+
+
+@dataclass
+class FetchInfo:
+    obj_id: str
+    path: str  # "cuda_ipc" | "nixl"
+    reason: Optional[str] = None
+    tensors: int = 0
+    bytes: int = 0
+    copies: int = 0
+    streams: int = 0
+    opened: int = 0
+    reused: int = 0
+    open_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    seconds: float = 0.0
+
+
+class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
+    max_idle_fetches = 64
+    max_senders = 4
+
+    def __init__(self):
+        self._token = uuid.uuid4().hex
+        self._lock = threading.RLock()
+        self._mappings: Dict[Tuple[str, int], _Mapping] = {}
+        self._senders: List[str] = []  # oldest first
+        self._fetches = 0
+        self._streams: Dict[int, list] = {}
+        self.nstreams = int(os.environ.get("SGLANG_RDT_IPC_STREAMS", "4"))
+        self.engine = os.environ.get("SGLANG_RDT_IPC_ENGINE", "dst")
+        self.nixl_fallback = os.environ.get("SGLANG_RDT_IPC_NIXL_FALLBACK", "1") != "0"
+        self.cache_mappings = True
+        self.last: Optional[FetchInfo] = None
+        self.counts = {"cuda_ipc": 0, "nixl": 0}
+        self._warned: set = set()
+
+    # -- Ray's interface ---------------------------------------------------- #
+    def tensor_transport_backend(self) -> str:
+        return TRANSPORT_NAME
+
+    @staticmethod
+    def is_one_sided() -> bool:
+        return True
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        return True
+
+    def actor_has_tensor_transport(self, actor) -> bool:
+        return True
+
+    @staticmethod
+    def _nixl():
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+
+        return get_tensor_transport_manager("NIXL")
+
+    def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: List[Any]):
+        import ray
+        import torch
+
+        tensor_meta = [(t.shape, t.dtype) for t in rdt_object]
+        device = rdt_object[0].device if rdt_object else None
+        meta = SglangIpcTransportMetadata(
+            tensor_meta=tensor_meta, tensor_device=device.type if device else None
+        )
+        if not rdt_object:
+            return meta
+        if self.nixl_fallback or device.type != "cuda":
+            # Synchronises the devices before registering, like a NIXL put.
+            meta.nixl = self._nixl().extract_tensor_transport_metadata(obj_id, rdt_object)
+        if device.type != "cuda":
+            meta.ipc_unavailable = f"tensors on {device.type}"
+            return meta
+        if any(t.device != device for t in rdt_object):
+            meta.ipc_unavailable = "tensors on several devices"
+            return meta
+        if any(not t.is_contiguous() for t in rdt_object):
+            raise ValueError("All tensors in an RDT object must be contiguous.")
+        if meta.nixl is None:
+            torch.cuda.synchronize(device)
+        try:
+            meta.ipc = self._export(rdt_object, device.index, ray.get_runtime_context().get_node_id())
+        except CudaDriverError as e:
+            # e.g. expandable_segments (VMM) memory: legacy IPC cannot export it.
+            meta.ipc_unavailable = f"CUDA IPC export failed: {e}"
+            if meta.nixl is None:
+                raise
+        return meta
+
+    def _export(self, tensors, ordinal: int, node_id: str) -> IpcPart:
+        drv = driver()
+        segments: List[Tuple[int, int, bytes]] = []
+        index: Dict[int, int] = {}
+        per_tensor = []
+        ranges: List[Tuple[int, int, int]] = []  # (base, end, segment index), last few
+        drv.push(ordinal)
+        try:
+            for t in tensors:
+                ptr = t.data_ptr()
+                nbytes = t.numel() * t.element_size()
+                seg = None
+                for b, e, i in ranges:
+                    if b <= ptr and ptr + nbytes <= e:
+                        seg = i
+                        break
+                if seg is None:
+                    base, size = drv.address_range(ptr)
+                    seg = index.get(base)
+                    if seg is None:
+                        seg = index[base] = len(segments)
+                        segments.append((base, size, drv.ipc_handle(base)))
+                    ranges.append((base, base + size, seg))
+                    if len(ranges) > 8:
+                        ranges.pop(0)
+                base = segments[seg][0]
+                per_tensor.append((seg, ptr - base, nbytes))
+        finally:
+            drv.pop()
+        return IpcPart(
+            node_id=node_id, sender=self._token, pid=os.getpid(),
+            device_uuid=device_uuid(ordinal), segments=segments, tensors=per_tensor,
+        )
+
+    def get_communicator_metadata(self, src_actor, dst_actor, backend=None):
+        return IpcCommunicatorMetadata()
+
+    def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None):
+        meta = tensor_transport_metadata
+        assert isinstance(meta, SglangIpcTransportMetadata), type(meta)
+        t0 = time.perf_counter()
+        why = self._ipc_unusable(meta, target_buffers)
+        if why is None:
+            try:
+                info = FetchInfo(obj_id=obj_id, path="cuda_ipc")
+                out = self._recv_ipc(meta, target_buffers, info)
+                info.seconds = time.perf_counter() - t0
+                self._done(info)
+                return out
+            except _MappingFailed as e:
+                # Nothing was copied yet: NIXL can still serve this fetch.
+                why = str(e)
+                if meta.nixl is None:
+                    raise RuntimeError(f"CUDA IPC fetch failed and the ref has no NIXL metadata: {why}") from e
+        if meta.nixl is None:
+            raise ValueError(
+                f"this {TRANSPORT_NAME} ref can only be read over CUDA IPC, which is not "
+                f"possible here ({why}); put it with SGLANG_RDT_IPC_NIXL_FALLBACK=1"
+            )
+        if why not in self._warned:
+            self._warned.add(why)
+            logger.info("[RDT] %s: reading through NIXL (%s)", TRANSPORT_NAME, why)
+        from ray.experimental.rdt.nixl_tensor_transport import NixlCommunicatorMetadata
+
+        out = self._nixl().recv_multiple_tensors(obj_id, meta.nixl, NixlCommunicatorMetadata(), target_buffers)
+        info = FetchInfo(
+            obj_id=obj_id, path="nixl", reason=why, tensors=len(meta.tensor_meta),
+            bytes=sum(t.numel() * t.element_size() for t in out),
+            seconds=time.perf_counter() - t0,
+        )
+        self._done(info)
+        return out
+
+    def send_multiple_tensors(self, tensors, tensor_transport_metadata, communicator_metadata):
+        raise NotImplementedError(f"{TRANSPORT_NAME} is one-sided")
+
+    def garbage_collect(self, obj_id, tensor_transport_meta, tensors):
+        if getattr(tensor_transport_meta, "nixl", None) is not None:
+            self._nixl().garbage_collect(obj_id, tensor_transport_meta.nixl, tensors)
+
+    def abort_transport(self, obj_id, communicator_metadata):
+        from ray.experimental.rdt.nixl_tensor_transport import NixlCommunicatorMetadata
+
+        # An IPC copy is short and synchronous; only a NIXL read can be in flight.
+        self._nixl().abort_transport(obj_id, NixlCommunicatorMetadata())
+
+    # -- receive over CUDA IPC ---------------------------------------------- #
+    def _ipc_unusable(self, meta: SglangIpcTransportMetadata, targets) -> Optional[str]:
+        import ray
+        import torch
+
+        if meta.ipc is None:
+            return meta.ipc_unavailable or "the sender put no CUDA IPC handles"
+        if not torch.cuda.is_available():
+            return "no CUDA device in this process"
+        if ray.get_runtime_context().get_node_id() != meta.ipc.node_id:
+            return "the sender is on another node"
+        if local_ordinal_of(meta.ipc.device_uuid) is None:
+            return (
+                f"the sender's GPU {meta.ipc.device_uuid} is not visible here (set "
+                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 for the receiving actors)"
+            )
+        if targets:
+            devs = {t.device for t in targets}
+            if len(devs) != 1 or next(iter(devs)).type != "cuda":
+                return f"target buffers on {sorted(map(str, devs))}"
+        return None
+
+    def _streams_for(self, ordinal: int) -> list:
+        import torch
+
+        streams = self._streams.get(ordinal)
+        if streams is None:
+            streams = self._streams[ordinal] = [
+                torch.cuda.Stream(device=ordinal) for _ in range(max(1, self.nstreams))
+            ]
+        return streams
+
+    def _recv_ipc(self, meta: SglangIpcTransportMetadata, targets, info: FetchInfo):
+        import torch
+
+        ipc = meta.ipc
+        if targets:
+            tensors = list(targets)
+        else:
+            dev = torch.device("cuda", torch.cuda.current_device())
+            tensors = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in meta.tensor_meta]
+        if len(tensors) != len(ipc.tensors):
+            raise ValueError(
+                f"Length of tensor_buffers ({len(tensors)}) does not match length from object metadata ({len(ipc.tensors)})."
+            )
+        for i, (t, (_, _, nbytes)) in enumerate(zip(tensors, ipc.tensors)):
+            if not t.is_contiguous() or t.numel() * t.element_size() != nbytes:
+                raise ValueError(f"target buffer {i} is not a contiguous buffer of {nbytes} bytes")
+        dst_ord = tensors[0].device.index
+        src_ord = local_ordinal_of(ipc.device_uuid)
+        engine_ord = src_ord if self.engine == "src" else dst_ord
+        info.tensors, info.bytes = len(tensors), sum(n for _, _, n in ipc.tensors)
+
+        drv = driver()
+        with self._lock:
+            self._fetches += 1
+            t0 = time.perf_counter()
+            if engine_ord != dst_ord:
+                drv.enable_peer_access(engine_ord, dst_ord)
+            mapped = self._map_segments(ipc, engine_ord, info)
+            info.open_seconds = time.perf_counter() - t0
+            copies = plan_copies(
+                [
+                    (t.data_ptr(), mapped[seg] + off, n)
+                    for t, (seg, off, n) in zip(tensors, ipc.tensors)
+                ]
+            )
+            streams = self._streams_for(engine_ord)
+            queues = spread(copies, len(streams))
+            info.copies, info.streams = len(copies), len(queues)
+            t1 = time.perf_counter()
+            # The copies start after what the receiver already queued on its
+            # device (same-process events: safe even across GPUs).
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(dst_ord))
+            drv.push(engine_ord)
+            try:
+                for q, s in zip(queues, streams):
+                    s.wait_event(ready)
+                    h = s.cuda_stream
+                    for dst, src, n in q:
+                        drv.memcpy_async(dst, src, n, h)
+            finally:
+                drv.pop()
+            for s in streams[: len(queues)]:
+                s.synchronize()  # host-side: no cross-GPU event wait
+            info.copy_seconds = time.perf_counter() - t1
+            self._evict(keep_sender=ipc.sender)
+        return tensors
+
+    def _map_segments(self, ipc: IpcPart, ordinal: int, info: FetchInfo) -> List[int]:
+        drv = driver()
+        if ipc.sender in self._senders:
+            self._senders.remove(ipc.sender)
+        self._senders.append(ipc.sender)
+        out = []
+        opened_now: List[Tuple[str, int]] = []
+        drv.push(ordinal)
+        try:
+            for base, size, handle in ipc.segments:
+                key = (ipc.sender, base)
+                m = self._mappings.get(key)
+                if m is not None and (m.handle != handle or m.size != size or m.ordinal != ordinal):
+                    # The sender freed that segment; a new one lives there now.
+                    self._close(key)
+                    m = None
+                if m is None:
+                    try:
+                        ptr = drv.ipc_open(handle)
+                    except CudaDriverError as e:
+                        for k in opened_now:
+                            self._close(k)
+                        raise _MappingFailed(f"cuIpcOpenMemHandle: {e}") from e
+                    m = self._mappings[key] = _Mapping(handle, size, ptr, ordinal, self._fetches)
+                    opened_now.append(key)
+                    info.opened += 1
+                else:
+                    info.reused += 1
+                m.last_used = self._fetches
+                out.append(m.ptr)
+        finally:
+            drv.pop()
+        if not self.cache_mappings:
+            self._pending_close = list(opened_now)
+        return out
+
+    def _close(self, key) -> None:
+        m = self._mappings.pop(key, None)
+        if m is None:
+            return
+        drv = driver()
+        drv.push(m.ordinal)
+        try:
+            drv.ipc_close(m.ptr)
+        except CudaDriverError as e:  # pragma: no cover - best effort
+            logger.warning("[RDT] closing a CUDA IPC mapping failed: %s", e)
+        finally:
+            drv.pop()
+
+    def _evict(self, keep_sender: str) -> None:
+        if not self.cache_mappings:
+            for k in getattr(self, "_pending_close", []):
+                self._close(k)
+            self._pending_close = []
+            return
+        while len(self._senders) > self.max_senders:
+            old = self._senders.pop(0)
+            for k in [k for k in self._mappings if k[0] == old]:
+                self._close(k)
+        for k, m in list(self._mappings.items()):
+            if self._fetches - m.last_used > self.max_idle_fetches:
+                self._close(k)
+
+    def close_all(self) -> int:
+        with self._lock:
+            keys = list(self._mappings)
+            for k in keys:
+                self._close(k)
+            self._senders.clear()
+            return len(keys)
+
+    def _done(self, info: FetchInfo) -> None:
+        self.last = info
+        self.counts[info.path] = self.counts.get(info.path, 0) + 1
+
+    def mapping_stats(self) -> Dict[str, Any]:
+        with self._lock:
+            return {
+                "mappings": len(self._mappings),
+                "mapped_bytes": sum(m.size for m in self._mappings.values()),
+                "senders": len(self._senders),
+                "fetches": dict(self.counts),
+            }
+
+
+class _MappingFailed(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------- #
+# Registration and helpers for receivers
+# --------------------------------------------------------------------------- #
+_register_lock = threading.Lock()
+
+
+def register() -> str:
+    """Register the transport in this process (idempotent). Returns its name.
+
+    Call it in the process that creates the actors, before creating them, and
+    in every actor that puts or gets with it (Ray's own push to a new actor is
+    asynchronous and can lose the race against the actor's first call).
+    """
+    import torch
+    from ray.experimental.rdt import util
+
+    with _register_lock:
+        util._ensure_default_transports_registered()
+        if TRANSPORT_NAME not in util.transport_manager_info:
+            try:
+                util.register_tensor_transport(
+                    TRANSPORT_NAME, ["cuda", "cpu"], SglangIpcTransport, torch.Tensor
+                )
+            except ValueError as e:  # registered by Ray's push in between
+                if "already registered" not in str(e):
+                    raise
+    return TRANSPORT_NAME
+
+
+def transport() -> SglangIpcTransport:
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    register()
+    return get_tensor_transport_manager(TRANSPORT_NAME)
+
+
+def last_fetch() -> Optional[FetchInfo]:
+    """What the last fetch in this process did (path, reason, timings)."""
+    return transport().last
+
+
+def close_ipc_mappings() -> int:
+    """Close every cached CUDA IPC mapping in this process."""
+    from ray.experimental.rdt import util
+
+    if TRANSPORT_NAME not in util.transport_managers:
+        return 0
+    return transport().close_all()

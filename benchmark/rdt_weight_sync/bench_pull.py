@@ -71,6 +71,37 @@ PRESETS: Dict[str, Dict[str, Any]] = {
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
+SRC_ENV = "BENCH_SGLANG_SRC"
+
+
+def light_sglang() -> None:
+    """Make ``sglang.srt.ray.rdt.*`` importable without sglang's package inits.
+
+    An installed sglang runs its top-level ``__init__`` (and ``sglang.srt.ray``'s,
+    which imports the engine) on any submodule import: 15+ s on a 2-core box.
+    The rdt modules need only torch and ray, so the benchmark stubs those three
+    parent packages as namespaces over this checkout's ``python/sglang`` (first)
+    and any installed copy. Nothing to do when sglang is already imported.
+    """
+    import types
+
+    if "sglang" in sys.modules:
+        return
+    roots = []
+    src = os.environ.get(SRC_ENV)
+    for p in ([src] if src else []) + sys.path:
+        d = os.path.join(p or ".", "sglang")
+        if os.path.isdir(d) and os.path.abspath(d) not in roots:
+            roots.append(os.path.abspath(d))
+    parent = None
+    for name, sub in (("sglang", ""), ("sglang.srt", "srt"), ("sglang.srt.ray", "srt/ray")):
+        m = types.ModuleType(name)
+        m.__path__ = [os.path.join(r, sub) for r in roots if os.path.isdir(os.path.join(r, sub))]
+        sys.modules[name] = m
+        if parent is not None:
+            setattr(parent, name.rsplit(".", 1)[1], m)
+        parent = m
+
 
 # --------------------------------------------------------------------------- #
 # Workloads: lists of (name, shape, dtype)
@@ -246,6 +277,7 @@ def transport_name(kind: str) -> str:
 # --------------------------------------------------------------------------- #
 class _Side:
     def _setup(self, specs, device_kind: str, register_ipc: bool):
+        light_sglang()
         if register_ipc:
             from sglang.srt.ray.rdt import cuda_ipc_transport
 
@@ -368,9 +400,9 @@ class Sender(_Side):
 @ray.remote(num_cpus=0, max_concurrency=2, enable_tensor_transport=True)
 class Receiver(_Side):
     def __init__(self, specs, device_kind, register_ipc=False, pull_timeout_s=120.0):
+        self._setup(specs, device_kind, register_ipc)
         from sglang.srt.ray.rdt.receiver import RdtWeightReceiver
 
-        self._setup(specs, device_kind, register_ipc)
         params = dict(zip(self.names, self.tensors))
         self.receiver = RdtWeightReceiver(
             lambda: params,
@@ -647,8 +679,10 @@ def run_workload(wname: str, specs, args, log) -> Dict[str, Any]:
         res["ipc_skipped"] = ipc_why
         want_ipc = False
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if cuda else {}
+    if os.environ.get(SRC_ENV):
+        env[SRC_ENV] = os.environ[SRC_ENV]
     env.update(dict(kv.split("=", 1) for kv in args.actor_env))
-    opts = {"num_gpus": 1 if cuda else 0, "runtime_env": {"env_vars": env}} if env else {"num_gpus": 1 if cuda else 0}
+    opts = {"num_gpus": 1 if cuda else 0, "runtime_env": {"env_vars": env}}
     t0 = time.perf_counter()
     sender = Sender.options(**opts).remote(specs, args.device, want_ipc)
     ray.get(sender.where.remote())
@@ -881,6 +915,10 @@ def main(argv=None) -> int:
         alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         if "expandable_segments:true" in alloc.lower():
             log("warning: expandable_segments memory cannot be exported by CUDA IPC (NIXL falls back to TCP)")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python")
+    if os.path.isdir(os.path.join(src, "sglang")):
+        os.environ.setdefault(SRC_ENV, os.path.abspath(src))
+    light_sglang()
     if "ipc" in args.paths and not ipc_available():
         from sglang.srt.ray.rdt import cuda_ipc_transport
 

@@ -2,8 +2,10 @@
 
 Default mode keeps upstream's behaviour (placement-group keyed name, owned by
 the launching job), except that resources follow the device: a ``--device cpu``
-engine asks for no GPU. With ``--enable-rdt-weight-sync`` the actor becomes
-discoverable by trainers in other Ray jobs:
+engine asks for no GPU, and the launcher's ``SGLANG_*`` environment is
+forwarded. With ``--enable-rdt-weight-sync`` (``rdt``) the actor serves weight
+sync and, unless launched in handles mode (``launch_engine``), becomes
+discoverable (``discoverable``) by trainers in other Ray jobs:
 
 * ``name`` carries the HTTP port instead of the placement-group id, so a
   trainer rebuilds it (see :mod:`sglang.srt.ray.actor_naming`);
@@ -50,6 +52,7 @@ def scheduler_actor_options(
     pp_rank: int,
     tp_rank: int,
     http_port: int,
+    rdt: bool,
     discoverable: bool,
 ) -> Dict[str, Any]:
     options: Dict[str, Any] = dict(
@@ -61,16 +64,15 @@ def scheduler_actor_options(
     )
     ranks = dict(dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, bundle_index=bundle_index)
     env_vars = forwarded_env()
-    if discoverable:
+    if rdt:
         env_vars.update(RDT_ACTOR_ENV)
-        options.update(
-            name=get_scheduler_actor_name(rank0_node_ip, port=http_port, **ranks),
-            lifetime="detached",
-            max_concurrency=RDT_ACTOR_MAX_CONCURRENCY,
-        )
+        options["max_concurrency"] = RDT_ACTOR_MAX_CONCURRENCY
     if env_vars:
         options["runtime_env"] = {"env_vars": env_vars}
-    if not discoverable:
+    if discoverable:
+        options["name"] = get_scheduler_actor_name(rank0_node_ip, port=http_port, **ranks)
+        options["lifetime"] = "detached"
+    else:
         options["name"] = get_scheduler_actor_name(
             rank0_node_ip, placement_group_id=placement_group.id.hex(), **ranks
         )

@@ -89,9 +89,13 @@ def connect_ray(
 
 
 def connect_ray_for(server_args) -> RayConnection:
+    """Connect with the flags and the caller's launch options (runtime env)."""
+    from sglang.srt.ray.launch import current_launch_options
+
     return connect_ray(
         address=getattr(server_args, "ray_address", None),
         namespace=getattr(server_args, "ray_namespace", None),
+        runtime_env=current_launch_options().runtime_env,
     )
 
 

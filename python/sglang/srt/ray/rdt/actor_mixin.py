@@ -252,6 +252,19 @@ class RdtWeightSyncMixin:
 
         return read_parallelism_config(self._rdt_gpu_id, self._rdt_device)
 
+    def get_ray_placement(self) -> Dict[str, Any]:
+        """Where Ray put this actor: placement group, node, namespace, job."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "placement_group_id": ctx.get_placement_group_id(),
+            "node_id": ctx.get_node_id(),
+            "namespace": ctx.namespace,
+            "job_id": ctx.get_job_id(),
+            "actor_name": ctx.get_actor_name(),
+        }
+
     def get_parameter_layout(self) -> Dict[str, Dict[str, Any]]:
         """``{name: {"shape", "dtype", "data_ptr"}}`` of this rank's live parameters:
         the names, shapes and dtypes ``pull_weights`` expects."""

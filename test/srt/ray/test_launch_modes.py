@@ -1,0 +1,91 @@
+"""Embedding the engine: caller placement group, handles mode, namespaces."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import CPU_SERVER_ARGS, free_port, live_actors, live_placement_groups, wait_until
+from tiny_model import hf_greedy
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).resolve().parent
+
+
+def test_launch_engine_handles_mode_in_a_host_actor_on_caller_placement_group(
+    ray_client, ray_head, tiny_model
+):
+    ray = ray_client
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([{"CPU": 1}], name=f"caller-pg-{os.getpid()}")
+    ray.get(pg.ready(), timeout=60)
+    port = free_port()
+    argv = ["--model-path", str(tiny_model), "--port", str(port), *CPU_SERVER_ARGS,
+            "--backend", "ray", "--enable-rdt-weight-sync",
+            "--engine-info-bootstrap-port", str(free_port())]
+
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class EngineHost:
+        def __init__(self, argv, pg):
+            from sglang.srt.ray.launch import launch_engine
+            from sglang.srt.server_args import prepare_server_args
+
+            self.engine = launch_engine(prepare_server_args(argv), placement_group=pg)
+            self.engine.serve_http()
+
+        def handles(self):
+            return self.engine.scheduler_actors
+
+    host = EngineHost.options(runtime_env={"env_vars": dict(ray_head.env)}).remote(argv, pg)
+    try:
+        (handle,) = ray.get(host.handles.remote(), timeout=240)
+        wait_until(
+            lambda: _healthy(port), 120, what="HTTP server of the host actor"
+        )
+        r = requests.post(f"http://127.0.0.1:{port}/generate", json={
+            "text": "the quick brown fox",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}},
+            timeout=60)
+        assert r.json()["output_ids"] == hf_greedy(tiny_model, "the quick brown fox", 8)
+
+        # The caller's group is used as given: the actor sits in it, and no
+        # second group was created.
+        placement = ray.get(handle.get_ray_placement.remote(), timeout=30)
+        assert placement["placement_group_id"] == pg.id.hex()
+        groups = live_placement_groups(ray)
+        assert [g["placement_group_id"] for g in groups] == [pg.id.hex()]
+        # Handles mode: owned (not detached), named by the placement group.
+        (actor,) = live_actors(ray)
+        assert actor["IsDetached"] is False
+        assert f"_pg{pg.id.hex()[:8]}_bundle0" in actor["Name"] and "_port" not in actor["Name"]
+        assert ray.get(handle.get_weight_sync_status.remote(), timeout=30)["enabled"] is True
+
+        # The schedulers die with their owner.
+        ray.kill(host)
+        wait_until(lambda: not live_actors(ray), 60, what="scheduler actors to die with the host")
+    finally:
+        ray.kill(host)
+        remove_placement_group(pg)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def test_engine_actors_live_in_the_requested_namespace_only(launch_server, ray_client, ray_head):
+    ns = "rollout-ns-only"
+    server = launch_server(["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", ns])
+    (actor,) = live_actors(ray_client)
+    name = actor["Name"]
+    assert ray_client.get_actor(name, namespace=ns)
+    with pytest.raises(ValueError):
+        ray_client.get_actor(name, namespace=ray_head.namespace)
+    assert f"namespace '{ns}'" in server.log()

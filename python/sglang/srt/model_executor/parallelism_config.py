@@ -88,6 +88,9 @@ class ParallelismConfigStore:
         self._by_rank: Dict[int, Dict[str, Any]] = {}
 
     def put(self, cfg: Dict[str, Any]) -> int:
+        for key in ("tp_rank", "tp_size"):
+            if key not in cfg:
+                raise KeyError(key)
         rank = int(cfg["rank"]) if "rank" in cfg else global_rank_of(cfg)
         with self._lock:
             self._by_rank[rank] = dict(cfg, rank=rank)

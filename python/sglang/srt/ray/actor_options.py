@@ -22,10 +22,12 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Optional
 
+import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sglang.srt.ray.actor_naming import get_scheduler_actor_name
 from sglang.srt.ray.cluster import actor_resources
+from sglang.srt.ray.lifecycle import OWNER_JOB_ENV
 
 # run_event_loop holds one thread for the engine's lifetime; the others serve
 # pull_weights, register_weight_for_rdt, finalize and status calls.
@@ -72,6 +74,10 @@ def scheduler_actor_options(
     if discoverable:
         options["name"] = get_scheduler_actor_name(rank0_node_ip, port=http_port, **ranks)
         options["lifetime"] = "detached"
+        # Detached actors outlive their job: they watch it and exit when it
+        # is gone (sglang.srt.ray.lifecycle.watch_owner_job).
+        env_vars[OWNER_JOB_ENV] = ray.get_runtime_context().get_job_id()
+        options["runtime_env"] = {"env_vars": env_vars}
     else:
         options["name"] = get_scheduler_actor_name(
             rank0_node_ip, placement_group_id=placement_group.id.hex(), **ranks

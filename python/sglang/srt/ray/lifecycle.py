@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Callable, List, Optional, Sequence
 
 import ray
@@ -102,13 +103,108 @@ def _sigquit_self(_msg: str) -> None:
     os.kill(os.getpid(), signal.SIGQUIT)
 
 
-def release(actors: Sequence, placement_group=None, watchdog=None) -> None:
-    """Kill scheduler actors and remove the placement group the engine created."""
+def release(
+    actors: Sequence, placement_group=None, watchdog=None, grace_s: float = 10.0
+) -> None:
+    """Kill scheduler actors and remove the placement group the engine created.
+
+    Each actor first gets ``grace_s`` to release its NIXL registrations.
+    """
     if watchdog is not None:
         watchdog.stop()
+    if actors and grace_s > 0:
+        refs = []
+        for actor in actors:
+            try:
+                refs.append(actor.shutdown_weight_sync.remote())
+            except Exception:
+                pass
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=grace_s)
     _kill_quietly(actors)
     if placement_group is not None:
         try:
             ray.util.remove_placement_group(placement_group)
         except Exception as e:
             logger.debug("remove_placement_group failed: %s", e)
+
+
+# --------------------------------------------------------------------------- #
+# Detached actors and the job that launched them
+# --------------------------------------------------------------------------- #
+OWNER_JOB_ENV = "SGLANG_RAY_ENGINE_OWNER_JOB"
+OWNER_CHECK_INTERVAL_ENV = "SGLANG_RAY_OWNER_CHECK_INTERVAL"
+
+
+def job_is_dead(job_id_hex: str) -> Optional[bool]:
+    """True/False from the GCS job table; None if the job is unknown."""
+    from ray._private import state
+
+    for job in state.jobs():
+        jid = job.get("JobID")
+        jid = jid.hex() if hasattr(jid, "hex") and not isinstance(jid, str) else jid
+        if jid == job_id_hex:
+            return bool(job.get("IsDead"))
+    return None
+
+
+def watch_owner_job(on_dead: Callable[[str], None], interval_s: Optional[float] = None):
+    """In a detached actor: call ``on_dead`` once the launching job is gone.
+
+    Detached actors outlive the job that made them; if the launcher is
+    SIGKILLed nobody kills them, and they would hold the node's resources and
+    the engine's actor names forever.
+    """
+    owner = os.environ.get(OWNER_JOB_ENV)
+    if not owner:
+        return None
+    interval_s = interval_s or float(os.environ.get(OWNER_CHECK_INTERVAL_ENV, "2"))
+
+    def run():
+        while True:
+            time.sleep(interval_s)
+            try:
+                dead = job_is_dead(owner)
+            except Exception as e:  # GCS hiccup: try again
+                logger.debug("owner job check failed: %s", e)
+                continue
+            if dead:
+                on_dead(f"the job {owner} that launched this engine is gone")
+                return
+
+    t = threading.Thread(target=run, daemon=True, name="ray-owner-watch")
+    t.start()
+    return t
+
+
+def claim_actor_name(name: str, namespace: Optional[str] = None, timeout_s: float = 30.0) -> None:
+    """Make sure a detached actor ``name`` can be created.
+
+    A stale actor from a launcher that died (its job is dead) is killed and
+    replaced; a live one is a clear error instead of a silent clash.
+    """
+    try:
+        stale = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return
+    owner = None
+    try:
+        owner = ray.get(stale.get_ray_placement.remote(), timeout=10)["job_id"]
+    except Exception as e:
+        logger.warning("stale actor %s does not answer (%s); replacing it", name, e)
+    if owner is not None and job_is_dead(owner) is False:
+        raise RuntimeError(
+            f"a live engine (Ray job {owner}) already holds the actor name {name!r}: "
+            "another server runs on this node with the same --port; choose another "
+            "port or shut that server down"
+        )
+    logger.warning("replacing stale scheduler actor %s (launcher job %s is gone)", name, owner)
+    ray.kill(stale, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the stale actor {name!r} did not go away within {timeout_s:.0f} s")

@@ -72,6 +72,9 @@ class RdtWeightSyncMixin:
         self._rdt_device = get_device().device
         self._rdt_safe_point = SafePointQueue()
         self.scheduler.safe_point_tasks = self._rdt_safe_point
+        from sglang.srt.ray.lifecycle import watch_owner_job
+
+        watch_owner_job(self._exit_orphaned)
         if not self._rdt_enabled:
             return
         from sglang.srt.ray.rdt.receiver import RdtWeightReceiver
@@ -93,6 +96,20 @@ class RdtWeightSyncMixin:
             registration_disabled_reason=reason,
         )
         self._rdt_update_touched = False
+        from sglang.srt.managers.weight_memory_listeners import (
+            add_weight_memory_listener,
+        )
+
+        add_weight_memory_listener(self.scheduler, self._rdt_receiver)
+
+    def _exit_orphaned(self, why: str) -> None:
+        import ray
+
+        logger.error("[RDT] %s; this detached scheduler actor exits", why)
+        try:
+            self.shutdown_weight_sync()
+        finally:
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # ------------------------------------------------------------------ #
     def _receiver(self):

@@ -79,7 +79,9 @@ class CudaDriverError(RuntimeError):
 
 
 class _CUipcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    # c_ubyte, not c_char: a c_char array field reads back as bytes cut at the
+    # first NUL (and writing through that copy corrupts memory).
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
 
 
 class _Driver:
@@ -166,11 +168,12 @@ class _Driver:
     def ipc_handle(self, base: int) -> bytes:
         h = _CUipcMemHandle()
         self.check("cuIpcGetMemHandle", self.cuIpcGetMemHandle(ctypes.byref(h), base))
-        return bytes(h.reserved)
+        return bytes(h)
 
     def ipc_open(self, handle: bytes) -> int:
-        h = _CUipcMemHandle()
-        ctypes.memmove(h.reserved, handle, 64)
+        if len(handle) != ctypes.sizeof(_CUipcMemHandle):
+            raise ValueError(f"a CUDA IPC handle has 64 bytes, got {len(handle)}")
+        h = _CUipcMemHandle.from_buffer_copy(handle)
         ptr = ctypes.c_uint64()
         self.check(
             "cuIpcOpenMemHandle",
@@ -318,7 +321,7 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
         self._mappings: Dict[Tuple[str, int], _Mapping] = {}
         self._senders: List[str] = []  # oldest first
         self._fetches = 0
-        self._streams: Dict[int, list] = {}
+        self._streams: Dict[Tuple[int, int], list] = {}
         self.nstreams = int(os.environ.get("SGLANG_RDT_IPC_STREAMS", "4"))
         self.engine = os.environ.get("SGLANG_RDT_IPC_ENGINE", "dst")
         self.nixl_fallback = os.environ.get("SGLANG_RDT_IPC_NIXL_FALLBACK", "1") != "0"
@@ -492,10 +495,11 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
     def _streams_for(self, ordinal: int) -> list:
         import torch
 
-        streams = self._streams.get(ordinal)
+        n = max(1, self.nstreams)
+        streams = self._streams.get((ordinal, n))
         if streams is None:
-            streams = self._streams[ordinal] = [
-                torch.cuda.Stream(device=ordinal) for _ in range(max(1, self.nstreams))
+            streams = self._streams[(ordinal, n)] = [
+                torch.cuda.Stream(device=ordinal) for _ in range(n)
             ]
         return streams
 

@@ -155,12 +155,18 @@ def _close_names(name: str, params: Mapping[str, Any], limit: int = 3) -> str:
     return f"it has {len(params)} parameters, e.g. {next(iter(params), None)!r}"
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    """Identity of the storage a tensor lives in (what NIXL registers)."""
+    storage = t.untyped_storage()
+    return (str(t.device), storage.data_ptr(), storage.nbytes())
+
+
 def unique_storages(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """One tensor per distinct (address, size), for registration bookkeeping."""
+    """One tensor per distinct storage (by address and size)."""
     out, seen = [], set()
     for t in tensors:
-        key = (t.device, t.data_ptr(), t.numel() * t.element_size())
-        if key not in seen and t.numel() > 0:
+        key = storage_key(t)
+        if key not in seen and key[2] > 0:
             seen.add(key)
             out.append(t)
     return out

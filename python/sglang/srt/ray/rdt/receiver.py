@@ -36,6 +36,7 @@ from sglang.srt.ray.rdt.plan import (
     WeightSyncError,
     group_names,
     plan_pull,
+    storage_key,
     unique_storages,
 )
 
@@ -82,13 +83,62 @@ def ref_tensor_specs(ref, timeout_s: float) -> List[TensorSpec]:
     return [TensorSpec.of(entry) for entry in transport_meta.tensor_meta]
 
 
-class RegistrationBook:
-    """NIXL registrations of parameter storage, keyed by address.
+_EXPANDABLE_CHECKED = False
 
-    NIXL keys registrations by address: a stale one (memory freed or re-used)
-    gives NIXL_ERR_NOT_FOUND or, worse, lets a transfer write into memory that
-    now belongs to something else. Drop everything before memory is released
-    and register again after it is back.
+
+def expandable_segment_tensors(tensors, snapshot=None) -> List[torch.Tensor]:
+    """The CUDA tensors that live in expandable (VMM) segments.
+
+    VMM memory cannot be exported through legacy CUDA IPC, and UCX then falls
+    back to TCP (~0.3 GB/s) without an error.
+    """
+    cuda = [t for t in tensors if t.is_cuda]
+    if not cuda:
+        return []
+    if snapshot is None:
+        snapshot = torch.cuda.memory_snapshot()
+    spans = [
+        (seg["address"], seg["address"] + seg["total_size"])
+        for seg in snapshot
+        if seg.get("is_expandable")
+    ]
+    if not spans:
+        return []
+    return [t for t in cuda if any(lo <= t.data_ptr() < hi for lo, hi in spans)]
+
+
+def warn_if_expandable_segments(tensors, snapshot=None, *, once: bool = True) -> bool:
+    """Warn (once per process) if any CUDA tensor lives in an expandable segment."""
+    global _EXPANDABLE_CHECKED
+    if once and _EXPANDABLE_CHECKED:
+        return False
+    if any(t.is_cuda for t in tensors):
+        _EXPANDABLE_CHECKED = True  # the allocator snapshot is not free: look once
+    try:
+        hits = expandable_segment_tensors(tensors, snapshot)
+    except Exception:  # the allocator cannot tell; nothing to warn about
+        return False
+    if hits:
+        logger.warning(
+            "[RDT] %d of %d tensors live in CUDA expandable segments "
+            "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): NIXL/UCX cannot "
+            "export them over CUDA IPC and silently falls back to TCP (~0.3 GB/s). "
+            "Unset expandable_segments for the rollout engine and the trainer's "
+            "weight buckets.",
+            len(hits), len(tensors),
+        )
+        return True
+    return False
+
+
+class RegistrationBook:
+    """NIXL registrations of parameter storage, keyed by (device, address, size).
+
+    NIXL keys registrations by address: a stale one (memory freed, re-used or
+    grown) gives NIXL_ERR_NOT_FOUND or, worse, lets a transfer write into
+    memory that now belongs to something else. ``sync`` drops entries whose
+    storage is gone or changed and registers the current ones; ``release_all``
+    drops everything (before weights are released, e.g. by the memory saver).
     """
 
     def __init__(self, register=None, deregister=None):
@@ -99,10 +149,6 @@ class RegistrationBook:
         self._register, self._deregister = register, deregister
         self._entries: Dict[tuple, torch.Tensor] = {}
 
-    @staticmethod
-    def key(t: torch.Tensor) -> tuple:
-        return (str(t.device), t.data_ptr(), t.numel() * t.element_size())
-
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -111,18 +157,22 @@ class RegistrationBook:
         return sum(k[2] for k in self._entries)
 
     def covers(self, t: torch.Tensor) -> bool:
-        return self.key(t) in self._entries
+        return storage_key(t) in self._entries
 
-    def register(self, tensors: Sequence[torch.Tensor]) -> int:
+    def sync(self, tensors: Sequence[torch.Tensor]) -> Dict[str, int]:
+        """Make the registrations exactly the storages of ``tensors``."""
+        current = {storage_key(t): t for t in unique_storages(tensors)}
+        dropped = 0
+        for key in [k for k in self._entries if k not in current]:
+            self._deregister(self._entries.pop(key))
+            dropped += 1
         added = 0
-        for t in unique_storages(tensors):
-            k = self.key(t)
-            if k in self._entries:
-                continue
-            self._register(t)
-            self._entries[k] = t
-            added += 1
-        return added
+        for key, t in current.items():
+            if key not in self._entries:
+                self._register(t)
+                self._entries[key] = t
+                added += 1
+        return {"added": added, "dropped": dropped}
 
     def release_all(self) -> int:
         n = 0
@@ -154,6 +204,8 @@ class RdtWeightReceiver:
         self._registrations = registrations
         self._lock = threading.Lock()
         self._closed = False
+        self._want_registered = False
+        self._weights_released = False
         # consistent | inconsistent
         self._state = "consistent"
         self._state_reason: Optional[str] = None
@@ -176,9 +228,15 @@ class RdtWeightReceiver:
             self._bind_device()
             if self._registrations is None:
                 self._registrations = RegistrationBook()
+            if self._weights_released:
+                raise WeightSyncError(
+                    "weights are released (memory saver); resume memory occupation first"
+                )
             t0 = time.perf_counter()
             params = [p.data for p in self._get_params().values()]
-            added = self._registrations.register(params)
+            warn_if_expandable_segments(params)
+            changes = self._registrations.sync(params)
+            self._want_registered = True
             dt = time.perf_counter() - t0
         logger.info(
             "[RDT] registered %d parameter storages (%.1f MiB) with NIXL in %.3f s",
@@ -186,7 +244,8 @@ class RdtWeightReceiver:
         )
         return {
             "registered": True,
-            "new_registrations": added,
+            "new_registrations": changes["added"],
+            "dropped_stale_registrations": changes["dropped"],
             "registrations": len(self._registrations),
             "bytes": self._registrations.nbytes,
             "seconds": dt,
@@ -194,12 +253,33 @@ class RdtWeightReceiver:
 
     def deregister(self) -> int:
         with self._lock:
-            if self._registrations is None:
-                return 0
-            n = self._registrations.release_all()
+            self._want_registered = False
+            return self._release_registrations()
+
+    def _release_registrations(self) -> int:
+        if self._registrations is None:
+            return 0
+        n = self._registrations.release_all()
         if n:
             logger.info("[RDT] released %d NIXL registrations", n)
         return n
+
+    # Memory saver: storage keeps its address but loses its pages; a
+    # registration must not outlive the pages it describes.
+    def on_weights_released(self) -> None:
+        with self._lock:
+            self._weights_released = True
+            self._release_registrations()
+
+    def on_weights_resumed(self) -> None:
+        with self._lock:
+            self._weights_released = False
+            if self._want_registered and self._registrations is not None:
+                self._registrations.sync([p.data for p in self._get_params().values()])
+                logger.info(
+                    "[RDT] re-registered %d parameter storages after resume",
+                    len(self._registrations),
+                )
 
     def close(self) -> None:
         """Release registrations and refuse later pulls."""
@@ -229,6 +309,8 @@ class RdtWeightReceiver:
             "weights_consistent": self.consistent,
             "inconsistent_reason": self._state_reason,
             "registered": self.registered,
+            "registrations": len(self._registrations or ()),
+            "weights_released": self._weights_released,
             "registration_disabled_reason": self._registration_disabled_reason,
             **{k: v for k, v in self.stats.items()},
         }
@@ -264,12 +346,21 @@ class RdtWeightReceiver:
             raise WeightSyncError("empty pull: no refs were given")
         with self._lock:
             self._check_open()
+            if self._weights_released:
+                raise WeightSyncError(
+                    "weights are released (memory saver); resume memory occupation "
+                    "before pulling"
+                )
             self._bind_device()
             t0 = time.perf_counter()
             specs = [ref_tensor_specs(r, timeout_s) for r in refs]
             names = group_names(param_names, [len(s) for s in specs])
             params = self._get_params()
             targets = plan_pull(specs, names, params)
+            if self._want_registered and self._registrations is not None:
+                # Post-load processing may have re-allocated parameters.
+                self._registrations.sync([p.data for p in params.values()])
+            warn_if_expandable_segments([t for ts in targets for t in ts])
             nbytes = sum(t.numel() * t.element_size() for ts in targets for t in ts)
             ntensors = sum(len(ts) for ts in targets)
             t_plan = time.perf_counter() - t0

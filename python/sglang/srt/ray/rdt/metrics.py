@@ -1,0 +1,176 @@
+"""Prometheus metrics of RDT weight sync, exported through Ray's metrics agent.
+
+A SchedulerActor is a Ray worker, not one of sglang's own processes, so its
+metrics go through ``ray.util.metrics`` (sglang's Ray wrappers in
+:mod:`sglang.srt.observability.ray_wrappers`, the ones ``RayEngine`` uses for
+its stat loggers) and appear on Ray's Prometheus endpoint next to sglang's
+scheduler metrics, with a ``ray_`` prefix::
+
+    ray_sglang_rdt_weight_pulls_total{dp_rank="0",tp_rank="0",...}
+    ray_sglang_rdt_weight_pull_bytes_total
+    ray_sglang_rdt_weight_pull_tensors_total
+    ray_sglang_rdt_weight_pull_seconds_bucket{le="0.1",...}
+    ray_sglang_rdt_weight_updates_total
+    ray_sglang_rdt_weight_update_seconds_bucket{...}
+    ray_sglang_rdt_weight_sync_failures_total{kind="pull",...}
+
+Everything is off until :func:`configure` is called with ``enabled=True`` (the
+engine does that under ``--enable-metrics``); until then the ``record_*``
+functions return at once, so they can be called unconditionally::
+
+    from sglang.srt.ray.rdt import metrics as rdt_metrics
+
+    rdt_metrics.configure(server_args.enable_metrics, {"dp_rank": 0, "tp_rank": 1})
+    stats = receiver.pull(refs, names)
+    rdt_metrics.record_pull(stats)           # after every successful pull
+    rdt_metrics.record_failure("pull")       # when a pull raised
+    rdt_metrics.record_update(seconds)       # after finalize
+
+Failure ``kind`` values used by the engine: ``"rejected"`` (a pull refused
+before any byte moved: bad names/shapes/dtypes, not quiesced),
+``"transfer"`` (a transfer broke mid-way: weights inconsistent),
+``"finalize"``, ``"abort"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Dict, Mapping, Optional
+
+logger = logging.getLogger(__name__)
+
+# Seconds: a 1 MiB CPU pull takes ~1 ms, a 16 GiB GPU update ~0.1 s, a
+# cross-node update of a large model many seconds.
+SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+FAILURE_KINDS = ("rejected", "transfer", "finalize", "abort", "other")
+
+LABEL_NAMES = ("dp_rank", "pp_rank", "tp_rank")
+
+
+class RdtMetrics:
+    """The metric set of one process; ``counter``/``histogram`` build metrics.
+
+    ``counter(name, doc, labelnames)`` and ``histogram(name, doc, labelnames,
+    buckets)`` default to sglang's Ray wrappers (prometheus_client's API on
+    ``ray.util.metrics``); tests pass fakes.
+    """
+
+    def __init__(
+        self,
+        labels: Optional[Mapping[str, Any]] = None,
+        *,
+        counter: Optional[Callable[..., Any]] = None,
+        histogram: Optional[Callable[..., Any]] = None,
+    ):
+        if counter is None or histogram is None:
+            from sglang.srt.observability.ray_wrappers import (
+                RayCounterWrapper,
+                RayHistogramWrapper,
+            )
+
+            counter = counter or RayCounterWrapper
+            histogram = histogram or RayHistogramWrapper
+        labels = {k: str(v) for k, v in (labels or {}).items()}
+        names = list(labels)
+        self._labels = labels
+
+        def c(name, doc, extra=()):
+            return counter(name=name, documentation=doc, labelnames=names + list(extra))
+
+        def h(name, doc):
+            return histogram(
+                name=name, documentation=doc, labelnames=names, buckets=SECONDS_BUCKETS
+            )
+
+        self.pulls = c("sglang:rdt_weight_pulls", "RDT weight pulls that completed")
+        self.pull_bytes = c("sglang:rdt_weight_pull_bytes", "Bytes written into live parameters by RDT pulls")
+        self.pull_tensors = c("sglang:rdt_weight_pull_tensors", "Tensors written into live parameters by RDT pulls")
+        self.pull_seconds = h("sglang:rdt_weight_pull_seconds", "Seconds per RDT pull (plan + transfer)")
+        self.updates = c("sglang:rdt_weight_updates", "RDT weight updates finalized")
+        self.update_seconds = h(
+            "sglang:rdt_weight_update_seconds",
+            "Seconds from the first pull (or session begin) of an update to its finalize",
+        )
+        self.failures = c(
+            "sglang:rdt_weight_sync_failures", "RDT weight-sync failures by kind", ("kind",)
+        )
+
+    def _l(self, metric, **extra):
+        return metric.labels(**self._labels, **extra) if (self._labels or extra) else metric
+
+    def record_pull(self, stats: Mapping[str, Any]) -> None:
+        self._l(self.pulls).inc(1)
+        self._l(self.pull_bytes).inc(float(stats.get("bytes", 0)))
+        self._l(self.pull_tensors).inc(float(stats.get("tensors", 0)))
+        if stats.get("seconds") is not None:
+            self._l(self.pull_seconds).observe(float(stats["seconds"]))
+
+    def record_update(self, seconds: Optional[float] = None) -> None:
+        self._l(self.updates).inc(1)
+        if seconds is not None:
+            self._l(self.update_seconds).observe(float(seconds))
+
+    def record_failure(self, kind: str) -> None:
+        if kind not in FAILURE_KINDS:
+            kind = "other"
+        self._l(self.failures, kind=kind).inc(1)
+
+
+# --------------------------------------------------------------------------- #
+# Process-wide instance (one SchedulerActor per process)
+# --------------------------------------------------------------------------- #
+_lock = threading.Lock()
+_metrics: Optional[RdtMetrics] = None
+
+
+def configure(
+    enabled: bool, labels: Optional[Mapping[str, Any]] = None, **factories
+) -> Optional[RdtMetrics]:
+    """Turn the metrics of this process on (``enabled``) or off.
+
+    ``labels`` are attached to every sample, e.g. the rank's
+    ``{"dp_rank": 0, "pp_rank": 0, "tp_rank": 1}``. A failure to create the
+    metrics (no Ray, a name clash) is logged and leaves them off: metrics never
+    break weight sync.
+    """
+    global _metrics
+    with _lock:
+        if not enabled:
+            _metrics = None
+            return None
+        try:
+            _metrics = RdtMetrics(labels, **factories)
+        except Exception as e:
+            logger.warning("[RDT] weight-sync metrics disabled: %s: %s", type(e).__name__, e)
+            _metrics = None
+        return _metrics
+
+
+def enabled() -> bool:
+    return _metrics is not None
+
+
+def _safe(fn_name: str, *args) -> None:
+    m = _metrics
+    if m is None:
+        return
+    try:
+        getattr(m, fn_name)(*args)
+    except Exception as e:  # pragma: no cover - never let metrics break a pull
+        logger.debug("[RDT] metric %s failed: %s", fn_name, e)
+
+
+def record_pull(stats: Mapping[str, Any]) -> None:
+    """Count one completed pull (the stats dict ``pull_weights`` returns)."""
+    _safe("record_pull", stats)
+
+
+def record_update(seconds: Optional[float] = None) -> None:
+    """Count one finalized update (``seconds``: its duration on this rank)."""
+    _safe("record_update", seconds)
+
+
+def record_failure(kind: str) -> None:
+    """Count a failure: ``"rejected"``, ``"transfer"``, ``"finalize"``, ``"abort"``."""
+    _safe("record_failure", kind)

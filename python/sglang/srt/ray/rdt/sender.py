@@ -1,0 +1,273 @@
+"""The trainer side of RDT weight sync: reusable, NIXL-registered bucket buffers.
+
+:class:`BucketSender` owns a fixed number of byte buffers ("slots", two for
+double buffering). Each is allocated once, registered with NIXL once
+(``ray.experimental.register_nixl_memory``) and reused by every update, so a
+put costs no allocation, no registration and no handshake with new memory.
+
+A NIXL ``ray.put`` does **not** snapshot: ranks read the slot's bytes when they
+pull, possibly long after the put. So a slot has a state:
+
+* ``fill(slot, token, ...)`` copies a bucket into the slot, puts it, and marks
+  the slot *in flight* under ``token``;
+* ``fill`` on a slot that is in flight raises :class:`BucketInFlightError` —
+  the sender itself refuses to overwrite bytes a rank may still be reading;
+* ``release(slot, token)`` frees it, and must only be called once every rank's
+  pull of that bucket has returned (the client does this).
+
+It runs as a Ray actor declared with ``enable_tensor_transport=True`` (see
+:func:`sender_actor_class`); the class itself has no Ray in it except the put,
+so it is unit-tested in process. This module imports nothing from sglang and
+is shipped to the actor by value: the actor process needs torch and Ray only,
+not sglang (whose import costs seconds and a GiB of memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+NUM_SLOTS = 2
+
+# (name, offset, nbytes, shape, dtype name): a tensor's place in a bucket, as
+# plain data (``buckets.Slice`` fields) so the actor needs no sglang import.
+SliceTuple = Tuple[str, int, int, Tuple[int, ...], str]
+
+
+class BucketSenderError(RuntimeError):
+    """A bucket operation was refused or failed; the message says why."""
+
+
+class BucketInFlightError(BucketSenderError):
+    """A write into a bucket that ranks may still be reading was refused."""
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise BucketSenderError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class BucketSender:
+    """Double-buffered, NIXL-registered bucket memory in one process.
+
+    Args:
+        device: where the slots live (``"cpu"`` or ``"cuda[:i]"``); put them
+            where NIXL reads fastest for the ranks (GPU memory for GPU engines).
+        num_slots: buffers kept (2 = fill one while ranks pull the other).
+        register, deregister, put: injection points for tests; default to
+            ``ray.experimental.register_nixl_memory`` / ``deregister_nixl_memory``
+            and ``ray.put(tensors, _tensor_transport="nixl")``.
+    """
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        num_slots: int = NUM_SLOTS,
+        *,
+        register: Optional[Callable[[torch.Tensor], None]] = None,
+        deregister: Optional[Callable[[torch.Tensor], None]] = None,
+        put: Optional[Callable[[List[torch.Tensor]], Any]] = None,
+    ):
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        self._device = torch.device(device)
+        self._num_slots = num_slots
+        self._register, self._deregister, self._put = register, deregister, put
+        self._slots: List[Optional[torch.Tensor]] = [None] * num_slots
+        self._in_flight: List[Optional[str]] = [None] * num_slots
+        self._closed = False
+        self.stats: Dict[str, Any] = {"fills": 0, "bytes": 0, "allocations": 0}
+
+    # ------------------------------------------------------------------ #
+    def _nixl(self):
+        if self._register is None or self._deregister is None:
+            from ray.experimental import deregister_nixl_memory, register_nixl_memory
+
+            self._register = self._register or register_nixl_memory
+            self._deregister = self._deregister or deregister_nixl_memory
+        return self._register, self._deregister
+
+    def _do_put(self, tensors: List[torch.Tensor]):
+        if self._put is not None:
+            return self._put(tensors)
+        import ray
+
+        return ray.put(tensors, _tensor_transport="nixl")
+
+    def _check_slot(self, slot: int) -> None:
+        if self._closed:
+            raise BucketSenderError("the bucket sender is closed")
+        if not 0 <= slot < self._num_slots:
+            raise ValueError(f"slot {slot} out of range (0..{self._num_slots - 1})")
+
+    @property
+    def slot_bytes(self) -> int:
+        return min((s.numel() for s in self._slots if s is not None), default=0)
+
+    # ------------------------------------------------------------------ #
+    def prepare(self, slot_bytes: int) -> Dict[str, Any]:
+        """Make every slot hold at least ``slot_bytes``; register new memory.
+
+        Idempotent and free when the slots are big enough (the usual case:
+        every update of one model has the same plan). Growing a slot
+        deregisters the old memory first (NIXL keys registrations by address)
+        and is refused while any slot is in flight.
+        """
+        if self._closed:
+            raise BucketSenderError("the bucket sender is closed")
+        if slot_bytes <= self.slot_bytes and all(s is not None for s in self._slots):
+            return self.state()
+        busy = [i for i, t in enumerate(self._in_flight) if t is not None]
+        if busy:
+            raise BucketInFlightError(
+                f"cannot resize bucket buffers while slots {busy} are being pulled"
+            )
+        register, deregister = self._nixl()
+        t0 = time.perf_counter()
+        for i, old in enumerate(self._slots):
+            if old is not None:
+                deregister(old)
+                self._slots[i] = None
+        for i in range(self._num_slots):
+            buf = torch.empty(slot_bytes, dtype=torch.uint8, device=self._device)
+            register(buf)
+            self._slots[i] = buf
+        self.stats["allocations"] += 1
+        logger.info(
+            "[RDT] bucket sender: %d x %s on %s allocated and NIXL-registered in %.3f s",
+            self._num_slots, _mib(slot_bytes), self._device,
+            time.perf_counter() - t0,
+        )
+        return self.state()
+
+    def fill(
+        self,
+        slot: int,
+        token: str,
+        regions: Sequence[Tuple[int, Sequence[SliceTuple], Sequence[torch.Tensor]]],
+    ) -> List[List[Any]]:
+        """Copy one step's buckets into ``slot`` and put each over NIXL.
+
+        Args:
+            slot: which buffer to fill.
+            token: identifies this use of the slot; ``release`` must repeat it.
+            regions: ``(offset, slices, tensors)`` per group: the bucket's place
+                in the slot, where each tensor goes (``SliceTuple``: name,
+                offset in the bucket, bytes, shape, dtype) and the tensors.
+
+        Returns ``[[ref, ...]]``: one ref per region, nested so that Ray hands
+        the refs (not their values) to the caller.
+
+        Raises :class:`BucketInFlightError` if ``slot`` was filled and not yet
+        released: ranks may still be reading it.
+        """
+        self._check_slot(slot)
+        if self._in_flight[slot] is not None:
+            raise BucketInFlightError(
+                f"refusing to overwrite bucket slot {slot}: it is still in flight "
+                f"({self._in_flight[slot]}); a rank may be reading it. Release it "
+                "only after every rank's pull of it returned."
+            )
+        buf = self._slots[slot]
+        if buf is None:
+            raise BucketSenderError("bucket sender not prepared: call prepare() first")
+        # Mark first: even a partly written slot must not be handed out again.
+        self._in_flight[slot] = token
+        refs, nbytes = [], 0
+        for offset, slices, tensors in regions:
+            if len(slices) != len(tensors):
+                raise BucketSenderError(f"{len(slices)} slices for {len(tensors)} tensors")
+            views = []
+            for (name, rel, size, shape, dtype), t in zip(slices, tensors):
+                start = offset + rel
+                if start + size > buf.numel():
+                    raise BucketSenderError(
+                        f"{name!r} does not fit the bucket buffer "
+                        f"({start + size} > {buf.numel()} bytes); prepare() it larger"
+                    )
+                view = buf[start : start + size].view(_torch_dtype(dtype)).view(tuple(shape))
+                if tuple(t.shape) != tuple(shape) or t.dtype != view.dtype:
+                    raise BucketSenderError(
+                        f"{name!r}: got shape={list(t.shape)} dtype={t.dtype}, "
+                        f"planned shape={list(shape)} dtype={dtype}"
+                    )
+                view.copy_(t)
+                views.append(view)
+                nbytes += size
+            refs.append(self._do_put(views))
+        self.stats["fills"] += 1
+        self.stats["bytes"] += nbytes
+        return [refs]
+
+    def release(self, slot: int, token: str) -> None:
+        """Mark ``slot`` free again; ``token`` must be the one it was filled with."""
+        self._check_slot(slot)
+        if self._in_flight[slot] != token:
+            raise BucketSenderError(
+                f"release of slot {slot} with token {token!r}, but it is "
+                f"{'free' if self._in_flight[slot] is None else 'held by ' + repr(self._in_flight[slot])}"
+            )
+        self._in_flight[slot] = None
+
+    def in_flight(self) -> List[Optional[str]]:
+        return list(self._in_flight)
+
+    def read(self, slot: int, offset: int, nbytes: int) -> bytes:
+        """A copy of a slot's bytes (for tests and debugging)."""
+        self._check_slot(slot)
+        return bytes(self._slots[slot][offset : offset + nbytes].cpu().numpy().tobytes())
+
+    def state(self) -> Dict[str, Any]:
+        return {
+            "device": str(self._device),
+            "slots": self._num_slots,
+            "slot_bytes": self.slot_bytes,
+            "in_flight": list(self._in_flight),
+            "closed": self._closed,
+            **self.stats,
+        }
+
+    def close(self) -> int:
+        """Deregister and free the slots (in flight or not); returns how many."""
+        n = 0
+        if any(s is not None for s in self._slots):
+            _, deregister = self._nixl()
+            for i, buf in enumerate(self._slots):
+                if buf is not None:
+                    deregister(buf)
+                    self._slots[i] = None
+                    n += 1
+        self._closed = True
+        return n
+
+
+_ACTOR_CLASS = None
+
+
+def sender_actor_class():
+    """``BucketSender`` as a Ray actor class that can put over NIXL.
+
+    The class travels to the actor by value (this module is registered with
+    Ray's cloudpickle), so the actor does not import sglang.
+    """
+    global _ACTOR_CLASS
+    if _ACTOR_CLASS is None:
+        import sys
+
+        import ray
+        from ray import cloudpickle
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        _ACTOR_CLASS = ray.remote(enable_tensor_transport=True)(BucketSender)
+    return _ACTOR_CLASS

@@ -1,0 +1,472 @@
+"""Fast tests of the pure parts: names, plans, predicates, launch options,
+safe points, registration bookkeeping, parallelism config, allocator trap."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from sglang.srt.arg_groups.engine_info_predicates import (
+    needs_engine_info_bootstrap_of,
+    registers_parallelism_config_of,
+)
+from sglang.srt.managers.scheduler_safe_point import (
+    EventLoopNotRunning,
+    SafePointQueue,
+    run_safe_point_tasks,
+)
+from sglang.srt.managers.weight_memory_listeners import (
+    add_weight_memory_listener,
+    notify_weights_released,
+    notify_weights_resumed,
+)
+from sglang.srt.model_executor.parallelism_config import (
+    ParallelismConfigStore,
+    global_rank_of,
+    install_parallelism_config_routes,
+)
+from sglang.srt.ray import get_scheduler_actor_name
+from sglang.srt.ray.actor_naming import (
+    SchedulerActorName,
+    is_scheduler_actor_name,
+    parse_scheduler_actor_name,
+)
+from sglang.srt.ray.rdt.plan import (
+    TensorSpec,
+    WeightSyncError,
+    group_names,
+    plan_pull,
+    unique_storages,
+)
+from sglang.srt.ray.rdt.receiver import (
+    RdtWeightReceiver,
+    RegistrationBook,
+    expandable_segment_tensors,
+)
+
+
+# --------------------------------------------------------------------------- #
+# Actor names
+# --------------------------------------------------------------------------- #
+def test_discoverable_name_is_rebuildable_and_has_no_pg():
+    name = get_scheduler_actor_name("10.0.0.5", dp_rank=1, pp_rank=0, tp_rank=3, bundle_index=2, port=30000)
+    assert name == "sglang_scheduler_node10.0.0.5_port30000_dp1_pp0_tp3_bundle2"
+    parsed = parse_scheduler_actor_name(name)
+    assert parsed == SchedulerActorName("10.0.0.5", 1, 0, 3, 2, port=30000)
+    assert str(parsed) == name
+
+
+def test_pg_keyed_name_matches_upstream_form():
+    pg = "a8557c81ffee00112233"
+    name = get_scheduler_actor_name("192.0.2.2", 0, 0, 0, 0, placement_group_id=pg)
+    assert name == "sglang_scheduler_node192.0.2.2_dp0_pp0_tp0_pga8557c81_bundle0"
+    p = parse_scheduler_actor_name(name)
+    assert (p.placement_group_id, p.port) == ("a8557c81", None)
+
+
+def test_ipv6_and_dp_none_round_trip():
+    name = get_scheduler_actor_name("fe80::1", None, 1, 0, 0, port=8000)
+    p = parse_scheduler_actor_name(name)
+    assert (p.node_ip, p.dp_rank, p.pp_rank) == ("fe80::1", None, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(port=None, placement_group_id=None), "exactly one"),
+        (dict(port=1, placement_group_id="ab"), "exactly one"),
+        (dict(port=70000), "TCP port"),
+        (dict(port=80, tp_rank=-1), "tp_rank"),
+    ],
+)
+def test_name_rejects_ambiguous_or_bad_input(kwargs, match):
+    base = dict(node_ip="1.2.3.4", dp_rank=0, pp_rank=0, tp_rank=0, bundle_index=0)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        get_scheduler_actor_name(**base)
+
+
+def test_parse_rejects_foreign_names():
+    for bad in ["foo", "sglang_scheduler_node1.2.3.4_dp0_pp0_tp0_bundle0",
+                "sglang_scheduler_node1_port1_dp0_pp0_tp0_pgab_bundle0"]:
+        assert not is_scheduler_actor_name(bad)
+        with pytest.raises(ValueError):
+            parse_scheduler_actor_name(bad)
+
+
+# --------------------------------------------------------------------------- #
+# Pull planning (validation before any byte moves)
+# --------------------------------------------------------------------------- #
+def _params():
+    torch.manual_seed(0)
+    return {
+        "a.weight": torch.nn.Parameter(torch.randn(4, 3)),
+        "a.bias": torch.nn.Parameter(torch.randn(4)),
+        "b.weight": torch.nn.Parameter(torch.randn(2, 4, dtype=torch.bfloat16)),
+    }
+
+
+def _specs(params, names):
+    return [TensorSpec(tuple(params[n].shape), params[n].dtype) for n in names]
+
+
+def test_plan_returns_the_live_storage_for_each_ref():
+    params = _params()
+    specs = [_specs(params, ["a.weight", "a.bias"]), _specs(params, ["b.weight"])]
+    targets = plan_pull(specs, [["a.weight", "a.bias"], ["b.weight"]], params)
+    assert [[t.data_ptr() for t in ts] for ts in targets] == [
+        [params["a.weight"].data_ptr(), params["a.bias"].data_ptr()],
+        [params["b.weight"].data_ptr()],
+    ]
+
+
+def test_group_names_accepts_flat_and_per_ref_shapes():
+    assert group_names(["x", "y", "z"], [2, 1]) == [["x", "y"], ["z"]]
+    assert group_names([["x", "y"], ["z"]], [2, 1]) == [["x", "y"], ["z"]]
+
+
+@pytest.mark.parametrize(
+    "names, counts, match",
+    [
+        (["x", "y"], [3], "too few names: the refs hold 3 tensors"),
+        (["x", "y", "z", "w"], [3], "too many names.*first extra name: 'w'"),
+        ([["x"], ["y"]], [1], "2 name lists for 1 refs"),
+        ([["x", "y"]], [1], "ref 0 holds 1 tensors but 2 names"),
+        ("x", [1], "must be a list"),
+        ([1], [1], "must be strings"),
+    ],
+)
+def test_group_names_errors(names, counts, match):
+    with pytest.raises(WeightSyncError, match=match):
+        group_names(names, counts)
+
+
+@pytest.mark.parametrize(
+    "names, spec_override, match",
+    [
+        (["a.weight", "nope"], None, r"unknown parameter 'nope' \(ref 0 tensor 1\)"),
+        (["a.weight", "a.weight"], None, r"duplicate parameter 'a.weight'"),
+        (["a.weight"], TensorSpec((3, 4), torch.float32),
+         r"layout mismatch for 'a.weight'.*sent shape=\[3, 4\] dtype=float32, the rollout parameter is shape=\[4, 3\] dtype=float32"),
+        (["b.weight"], TensorSpec((2, 4), torch.float16),
+         r"layout mismatch for 'b.weight'.*dtype=float16.*dtype=bfloat16"),
+    ],
+)
+def test_plan_errors_name_the_parameter(names, spec_override, match):
+    params = _params()
+    specs = _specs(params, [n if n in params else "a.bias" for n in names])
+    if spec_override is not None:
+        specs = [spec_override]
+    with pytest.raises(WeightSyncError, match=match):
+        plan_pull([specs], [names], params)
+
+
+def test_plan_rejects_noncontiguous_target_and_empty_pull():
+    params = _params()
+    params["t"] = torch.nn.Parameter(torch.randn(3, 4).t())
+    assert not params["t"].is_contiguous()
+    with pytest.raises(WeightSyncError, match="'t' is not contiguous"):
+        plan_pull([[TensorSpec((4, 3), torch.float32)]], [["t"]], params)
+    with pytest.raises(WeightSyncError, match="empty pull"):
+        plan_pull([], [], params)
+
+
+def test_unknown_name_suggests_close_matches():
+    params = _params()
+    with pytest.raises(WeightSyncError, match="did you mean 'a.weight'"):
+        plan_pull([[TensorSpec((4, 3), torch.float32)]], [["a.weigth"]], params)
+
+
+def test_unique_storages_dedups_views_of_one_storage():
+    base = torch.zeros(10)
+    a, b, c = base[:5], base[5:], torch.zeros(3)
+    assert len(unique_storages([a, b, c, c])) == 2
+
+
+# --------------------------------------------------------------------------- #
+# Registration bookkeeping (memory saver, stale registrations)
+# --------------------------------------------------------------------------- #
+class FakeNixl:
+    def __init__(self):
+        self.live = {}
+        self.log = []
+
+    def register(self, t):
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        assert key not in self.live, "double registration"
+        self.live[key] = t
+        self.log.append(("reg", key))
+
+    def deregister(self, t):
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        del self.live[key]
+        self.log.append(("dereg", key))
+
+
+def test_registration_book_syncs_to_current_storages():
+    nixl = FakeNixl()
+    book = RegistrationBook(nixl.register, nixl.deregister)
+    w = torch.zeros(8)
+    assert book.sync([w, w[:4]]) == {"added": 1, "dropped": 0}
+    assert book.sync([w]) == {"added": 0, "dropped": 0}
+    # The parameter was re-allocated (e.g. grown by post-load processing):
+    # the stale registration is dropped, the new storage registered.
+    w2 = torch.zeros(16)
+    assert book.sync([w2]) == {"added": 1, "dropped": 1}
+    assert list(nixl.live) == [(w2.data_ptr(), w2.untyped_storage().nbytes())]
+    assert book.release_all() == 1 and not nixl.live
+
+
+def test_receiver_drops_registrations_on_release_and_restores_on_resume():
+    nixl = FakeNixl()
+    model = torch.nn.Linear(4, 4)
+    recv = RdtWeightReceiver(
+        lambda: dict(model.named_parameters()),
+        registrations=RegistrationBook(nixl.register, nixl.deregister),
+    )
+    assert recv.register()["registrations"] == 2
+    scheduler = types.SimpleNamespace()
+    add_weight_memory_listener(scheduler, recv)
+    notify_weights_released(scheduler)
+    assert nixl.live == {} and recv.status()["weights_released"] is True
+    with pytest.raises(WeightSyncError, match="weights are released"):
+        recv.pull([object()], ["weight"])
+    notify_weights_resumed(scheduler)
+    assert len(nixl.live) == 2 and recv.status()["registrations"] == 2
+    # Deregistered receivers stay deregistered across release/resume.
+    recv.deregister()
+    notify_weights_released(scheduler)
+    notify_weights_resumed(scheduler)
+    assert nixl.live == {}
+
+
+def test_memory_saver_skips_registration_and_says_why():
+    model = torch.nn.Linear(2, 2)
+    recv = RdtWeightReceiver(
+        lambda: dict(model.named_parameters()),
+        registration_disabled_reason="--enable-memory-saver: parameter storage is released",
+    )
+    out = recv.register()
+    assert out == {"registered": False, "reason": "--enable-memory-saver: parameter storage is released"}
+    assert recv.status()["registered"] is False
+
+
+def test_receiver_refuses_bad_call_shapes_before_touching_anything():
+    model = torch.nn.Linear(2, 2)
+    recv = RdtWeightReceiver(lambda: dict(model.named_parameters()))
+    with pytest.raises(WeightSyncError, match="empty pull"):
+        recv.pull([], [])
+    with pytest.raises(WeightSyncError, match="expected a ray.ObjectRef, got list"):
+        recv.pull([[torch.zeros(2)]], ["weight"])
+    recv.close()
+    with pytest.raises(WeightSyncError, match="engine is shut down"):
+        recv.pull([object()], ["weight"])
+
+
+def test_expandable_segment_detection_from_allocator_snapshot():
+    t = types.SimpleNamespace(is_cuda=True, data_ptr=lambda: 1_000_100)
+    u = types.SimpleNamespace(is_cuda=True, data_ptr=lambda: 5_000_000)
+    snapshot = [
+        {"address": 1_000_000, "total_size": 1_000, "is_expandable": True},
+        {"address": 5_000_000, "total_size": 1_000, "is_expandable": False},
+    ]
+    assert expandable_segment_tensors([t, u], snapshot) == [t]
+    assert expandable_segment_tensors([u], snapshot) == []
+    cpu = torch.zeros(1)
+    assert expandable_segment_tensors([cpu], snapshot) == []
+
+
+# --------------------------------------------------------------------------- #
+# Safe points: work queued from other threads runs on the loop thread
+# --------------------------------------------------------------------------- #
+def test_safe_point_runs_tasks_on_the_loop_thread():
+    q = SafePointQueue()
+    sched = types.SimpleNamespace(safe_point_tasks=q)
+    q.loop_started()
+    stop = threading.Event()
+    loop_thread = {}
+
+    def loop():
+        loop_thread["id"] = threading.get_ident()
+        while not stop.is_set():
+            run_safe_point_tasks(sched)
+            time.sleep(0.001)
+
+    th = threading.Thread(target=loop)
+    th.start()
+    try:
+        assert q.call(sched, lambda s: threading.get_ident(), 5) == loop_thread["id"]
+        with pytest.raises(KeyError):
+            q.call(sched, lambda s: {}["missing"], 5)
+    finally:
+        stop.set()
+        th.join()
+    q.loop_stopped()
+    with pytest.raises(EventLoopNotRunning, match="engine shut down"):
+        q.call(sched, lambda s: 1, 1)
+
+
+def test_safe_point_times_out_without_running_the_task():
+    q = SafePointQueue()
+    q.loop_started()  # a loop that never reaches a safe point
+    ran = []
+    with pytest.raises(TimeoutError, match="nothing was changed"):
+        q.call(None, lambda s: ran.append(1), 0.2)
+    q.run_pending(None)  # the loop comes back later: the task was cancelled
+    assert ran == []
+
+
+def test_safe_point_runs_inline_before_the_loop_starts():
+    q = SafePointQueue()
+    assert q.call("sched", lambda s: s + "!", 1) == "sched!"
+
+
+# --------------------------------------------------------------------------- #
+# Predicates and parallelism config
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize(
+    "te, bootstrap, rdt, needs, registers",
+    [
+        (False, False, False, False, False),
+        (True, False, False, True, False),
+        (False, True, False, True, True),
+        (False, False, True, True, True),
+    ],
+)
+def test_engine_info_predicates(te, bootstrap, rdt, needs, registers):
+    cfg = types.SimpleNamespace(
+        remote_instance_weight_loader_start_seed_via_transfer_engine=te,
+        enable_engine_info_bootstrap=bootstrap,
+        enable_rdt_weight_sync=rdt,
+    )
+    assert needs_engine_info_bootstrap_of(cfg) is needs
+    assert registers_parallelism_config_of(cfg) is registers
+
+
+def test_server_args_predicates_fold_in_the_flags():
+    from sglang.srt.server_args import prepare_server_args
+
+    base = ["--model-path", "/nonexistent", "--device", "cpu"]
+    plain = prepare_server_args(base)
+    assert not plain.needs_engine_info_bootstrap() and not plain.registers_parallelism_config()
+    boot = prepare_server_args(base + ["--enable-engine-info-bootstrap"])
+    assert boot.needs_engine_info_bootstrap() and boot.registers_parallelism_config()
+    rdt = prepare_server_args(base + ["--backend", "ray", "--enable-rdt-weight-sync"])
+    assert rdt.needs_engine_info_bootstrap() and rdt.registers_parallelism_config()
+
+
+def test_rdt_flag_without_ray_backend_is_refused():
+    from sglang.srt.arg_groups.ray_backend_checks import check_weight_sync_args
+
+    args = types.SimpleNamespace(enable_rdt_weight_sync=True, use_ray=False, rdt_pull_timeout=1)
+    with pytest.raises(ValueError, match="needs the Ray backend: add --backend ray"):
+        check_weight_sync_args(args)
+    check_weight_sync_args(types.SimpleNamespace(enable_rdt_weight_sync=True, use_ray=True, rdt_pull_timeout=1))
+
+
+def test_rdt_flag_without_nixl_says_what_to_install(monkeypatch):
+    import builtins
+
+    from sglang.srt.arg_groups.ray_backend_checks import check_weight_sync_args
+
+    real_import = builtins.__import__
+
+    def no_nixl(name, *a, **k):
+        if name == "nixl" or name.startswith("nixl."):
+            raise ImportError("No module named 'nixl'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_nixl)
+    args = types.SimpleNamespace(enable_rdt_weight_sync=True, use_ray=True, rdt_pull_timeout=1)
+    with pytest.raises(ValueError, match=r"pip install nixl-cu13==1\.5\.1 && pip install --no-deps nixl==1\.5\.1"):
+        check_weight_sync_args(args)
+
+
+def test_global_rank_layout():
+    assert global_rank_of(dict(tp_size=2, pp_size=2, tp_rank=1, pp_rank=1, dp_rank=0)) == 3
+    assert global_rank_of(dict(tp_size=2, pp_size=1, tp_rank=1, pp_rank=0, dp_rank=2, dp_size=3)) == 5
+    # Attention DP folds DP into TP: the rank is the TP/PP position.
+    assert global_rank_of(dict(tp_size=4, pp_size=1, tp_rank=3, pp_rank=0, dp_rank=1, attn_dp_size=2)) == 3
+
+
+def test_parallelism_config_routes():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+    store = ParallelismConfigStore()
+    install_parallelism_config_routes(app, store)
+    client = TestClient(app)
+    cfg = dict(tp_rank=1, tp_size=2, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1, device="cuda", device_id=1)
+    assert client.put("/register_parallelism_config", json=cfg).status_code == 200
+    got = client.get("/parallelism_config", params={"rank": 1}).json()
+    assert got == {**cfg, "rank": 1}
+    assert client.get("/parallelism_config").json() == {"ranks": {"1": {**cfg, "rank": 1}}}
+    r = client.get("/parallelism_config", params={"rank": 0})
+    assert r.status_code == 404 and "registered ranks: [1]" in r.text
+    bad = client.put("/register_parallelism_config", json={"x": 1})
+    assert bad.status_code == 400 and "bad parallelism config" in bad.text
+
+
+# --------------------------------------------------------------------------- #
+# Launch options travel in a context variable
+# --------------------------------------------------------------------------- #
+def test_launch_options_contextvar_scoping():
+    from sglang.srt.ray.launch import current_launch_options, ray_launch_options
+
+    assert current_launch_options().placement_group is None
+    with ray_launch_options(placement_group="pg1", runtime_env={"env_vars": {"A": "1"}}):
+        assert current_launch_options().placement_group == "pg1"
+        with ray_launch_options(handles_mode=True):
+            assert current_launch_options().handles_mode is True
+            assert current_launch_options().placement_group is None
+        assert current_launch_options().runtime_env == {"env_vars": {"A": "1"}}
+    assert current_launch_options().handles_mode is False
+
+
+def test_launch_options_do_not_leak_across_threads():
+    from sglang.srt.ray.launch import current_launch_options, ray_launch_options
+
+    seen = []
+    with ray_launch_options(placement_group="mine"):
+        t = threading.Thread(target=lambda: seen.append(current_launch_options().placement_group))
+        t.start()
+        t.join()
+    assert seen == [None]
+
+
+def test_resolve_placement_group_prefers_explicit_then_context():
+    from sglang.srt.ray.launch import ray_launch_options, resolve_placement_group
+
+    assert resolve_placement_group("explicit") == ("explicit", True)
+    with ray_launch_options(placement_group="ctx"):
+        assert resolve_placement_group(None) == ("ctx", True)
+
+
+# --------------------------------------------------------------------------- #
+# Device-dependent resources
+# --------------------------------------------------------------------------- #
+def test_resources_follow_the_device():
+    from sglang.srt.ray.cluster import actor_resources, count_rank_bundles, node_bundle
+
+    assert node_bundle("cpu", 2) == {"CPU": 2}
+    assert node_bundle("cuda", 4) == {"CPU": 1, "GPU": 4}
+    assert actor_resources("cpu") == {"num_cpus": 0, "num_gpus": 0}
+    assert actor_resources("cuda") == {"num_cpus": 0, "num_gpus": 1}
+    assert count_rank_bundles([{"CPU": 1}, {"CPU": 1}], "cpu") == 2
+    assert count_rank_bundles([{"CPU": 1}, {"CPU": 1, "GPU": 1}], "cuda") == 1
+    with pytest.raises(ValueError, match="exactly 1 GPU per bundle"):
+        count_rank_bundles([{"GPU": 2}], "cuda")
+
+
+def test_actor_options_forward_sglang_env(monkeypatch):
+    from sglang.srt.ray.actor_options import forwarded_env
+
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("UNRELATED_VAR", "x")
+    env = forwarded_env()
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1" and "UNRELATED_VAR" not in env

@@ -30,6 +30,9 @@ import requests
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+# Ray reads the auth mode when it is imported (test modules import it at
+# collection time); the token itself is per head and set by `ray_head`.
+os.environ["RAY_AUTH_MODE"] = "token"
 
 from tiny_model import build_tiny_model  # noqa: E402
 
@@ -155,6 +158,8 @@ def ray_client(ray_head):
         namespace=ray_head.namespace,
         log_to_driver=False,
         logging_level="ERROR",
+        # Workers import the test helpers (rdt_actors, tiny_model).
+        runtime_env={"env_vars": {"PYTHONPATH": str(HERE)}},
     )
     yield ray
     ray.shutdown()

@@ -16,7 +16,7 @@ import torch
 
 def checksum(tensors: Dict[str, torch.Tensor]) -> Dict[str, str]:
     return {
-        n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        n: hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
         for n, t in sorted(tensors.items())
     }
 
@@ -31,12 +31,26 @@ def toy_model(seed: int = 0, width: int = 64) -> torch.nn.Module:
 @ray.remote(num_cpus=0, max_concurrency=4, enable_tensor_transport=True)
 class ToyRank:
     def __init__(self, seed: int = 0, width: int = 64, pull_timeout_s: float = 30.0):
+        self.receiver = None
+        self.reset(seed, width, pull_timeout_s)
+
+    def reset(self, seed: int = 0, width: int = 64, pull_timeout_s: float = 30.0, model=None):
+        """A fresh model and receiver (importing sglang once per actor is slow)."""
         from sglang.srt.ray.rdt.receiver import RdtWeightReceiver
 
-        self.model = toy_model(seed, width)
+        if self.receiver is not None:
+            self.receiver.close()
+        self.model = model if model is not None else toy_model(seed, width)
         self.receiver = RdtWeightReceiver(
             lambda: dict(self.model.named_parameters()), pull_timeout_s=pull_timeout_s
         )
+        return True
+
+    def reset_big(self, n: int, numel: int, pull_timeout_s: float = 20.0):
+        model = torch.nn.ParameterDict(
+            {f"w{i}": torch.nn.Parameter(torch.zeros(numel)) for i in range(n)}
+        )
+        return self.reset(pull_timeout_s=pull_timeout_s, model=model)
 
     def register(self):
         return self.receiver.register()
@@ -61,6 +75,22 @@ class ToyRank:
         p.data = p.data.t().contiguous().t()
         return p.is_contiguous()
 
+    def pull_with_targets_dropped(self, refs, names):
+        """Simulate Ray losing the (weakly held) targets: it then fetches into
+        buffers of its own. The receiver must notice and fail loudly."""
+        import ray.experimental as rx
+
+        real = rx.set_target_for_ref
+        rx.set_target_for_ref = lambda ref, targets: None
+        try:
+            return self.receiver.pull(refs, names)
+        finally:
+            rx.set_target_for_ref = real
+
+    def finalize(self):
+        self.receiver.mark_consistent()
+        return self.receiver.status()
+
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
 class ToyTrainer:
@@ -81,3 +111,13 @@ class ToyTrainer:
 
     def drop(self):
         self.buckets.clear()
+
+    def mutate(self, value: float):
+        for bucket in self.buckets:
+            for t in bucket:
+                t.fill_(value)
+
+    def pid(self):
+        import os
+
+        return os.getpid()

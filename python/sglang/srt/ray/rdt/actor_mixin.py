@@ -269,6 +269,23 @@ class RdtWeightSyncMixin:
 
         return read_parallelism_config(self._rdt_gpu_id, self._rdt_device)
 
+    def get_parameter_checksums(self) -> Dict[str, str]:
+        """sha256 of every live parameter's bytes (read on the scheduler thread).
+
+        For checking that an update landed (or that a rejected one changed
+        nothing) without moving the weights."""
+        import hashlib
+
+        def run(scheduler):
+            model = scheduler.tp_worker.model_runner.model
+            out = {}
+            for name, p in model.named_parameters():
+                data = p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+                out[name] = hashlib.sha256(data.tobytes()).hexdigest()
+            return out
+
+        return self._on_scheduler(run)
+
     def get_ray_placement(self) -> Dict[str, Any]:
         """Where Ray put this actor: placement group, node, namespace, job."""
         import ray

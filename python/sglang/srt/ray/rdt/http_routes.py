@@ -51,6 +51,10 @@ async def full_status(session: WeightSyncSession) -> Dict[str, Any]:
 
 
 def install_weight_sync_routes(app, session: WeightSyncSession) -> None:
+    from sglang.srt.entrypoints.server_info_extras import register_server_info_provider
+
+    # /server_info carries the same status under "weight_sync".
+    register_server_info_provider("weight_sync", lambda: full_status(session))
     async def call(coro):
         try:
             return ORJSONResponse({"success": True, **(await coro)})

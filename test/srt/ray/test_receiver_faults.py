@@ -1,0 +1,216 @@
+"""The receiver against real Ray + NIXL (CPU memory): bad inputs and faults.
+
+Each rejected pull must leave every parameter byte-identical; a transfer that
+breaks mid-way must fail in bounded time and leave the rank reporting
+inconsistent weights until a complete update is finalized.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rdt_actors import ToyRank, ToyTrainer, toy_model
+
+
+@pytest.fixture(scope="module")
+def toy_rank(ray_client):
+    rank = ToyRank.remote(seed=0)
+    yield rank
+    ray_client.kill(rank)
+
+
+@pytest.fixture
+def pair(ray_client, toy_rank):
+    ray = ray_client
+    ray.get(toy_rank.reset.remote(0), timeout=60)
+    trainer = ToyTrainer.remote()
+    yield ray, toy_rank, trainer
+    ray.kill(trainer)
+
+
+def _new_weights(seed=1):
+    m = toy_model(seed)
+    names = [n for n, _ in m.named_parameters()]
+    return names, [p.detach().clone() for _, p in m.named_parameters()]
+
+
+def test_valid_pull_is_zero_copy_and_exact(pair):
+    ray, rank, trainer = pair
+    names, new = _new_weights()
+    ptrs = ray.get(rank.pointers.remote())
+    assert ray.get(rank.register.remote())["registered"] is True
+    (ref,) = ray.get(trainer.put.remote(new))
+    stats = ray.get(rank.pull.remote([ref], names), timeout=60)
+    assert stats["tensors"] == len(names) and stats["bytes"] == sum(t.nbytes for t in new)
+    state = ray.get(rank.state.remote())
+    assert all(torch.equal(state[n], t) for n, t in zip(names, new))
+    assert ray.get(rank.pointers.remote()) == ptrs
+
+
+def test_pull_before_register_still_works(pair):
+    ray, rank, trainer = pair
+    names, new = _new_weights(2)
+    (ref,) = ray.get(trainer.put.remote(new))
+    stats = ray.get(rank.pull.remote([ref], names), timeout=60)
+    assert stats["registered"] is False
+    state = ray.get(rank.state.remote())
+    assert all(torch.equal(state[n], t) for n, t in zip(names, new))
+
+
+BAD_CASES = {
+    "unknown name": (lambda names, new: (names[:-1] + ["2.nope"], new), "unknown parameter '2.nope'"),
+    "duplicate name": (lambda names, new: ([names[0]] * 2 + names[2:], new), "duplicate parameter '0.weight'"),
+    "shape mismatch": (lambda names, new: (names, [new[0][:, :32].contiguous()] + new[1:]),
+                       r"layout mismatch for '0.weight'.*shape=\[64, 32\].*shape=\[64, 64\]"),
+    "dtype mismatch": (lambda names, new: (names, [new[0]] + [new[1].double()] + new[2:]),
+                       r"layout mismatch for '0.bias'.*dtype=float64.*dtype=float32"),
+    "too few names": (lambda names, new: (names[:-1], new), "too few names"),
+    "too many names": (lambda names, new: (names + ["extra"], new), "too many names.*'extra'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_rejected_pull_leaves_every_weight_untouched(pair, case):
+    ray, rank, trainer = pair
+    names, new = _new_weights(3)
+    mutate, match = BAD_CASES[case]
+    names, tensors = mutate(names, new)
+    before = ray.get(rank.checksums.remote())
+    (ref,) = ray.get(trainer.put.remote(tensors))
+    with pytest.raises(Exception, match=match) as e:
+        ray.get(rank.pull.remote([ref], names), timeout=60)
+    assert "WeightSyncError" in str(e.value)
+    assert ray.get(rank.checksums.remote()) == before
+    assert ray.get(rank.status.remote())["weights_consistent"] is True
+
+
+def test_second_bad_ref_stops_the_first_from_landing(pair):
+    ray, rank, trainer = pair
+    names, new = _new_weights(4)
+    before = ray.get(rank.checksums.remote())
+    (good,) = ray.get(trainer.put.remote(new[:2]))
+    (bad,) = ray.get(trainer.put.remote([new[2].half(), new[3]]))
+    with pytest.raises(Exception, match=r"layout mismatch for '2.weight' \(ref 1 tensor 0\)"):
+        ray.get(rank.pull.remote([good, bad], [names[:2], names[2:]]), timeout=60)
+    assert ray.get(rank.checksums.remote()) == before
+
+
+def test_noncontiguous_target_is_rejected(pair):
+    ray, rank, trainer = pair
+    names, new = _new_weights(5)
+    assert ray.get(rank.make_noncontiguous.remote("0.weight")) is False
+    before = ray.get(rank.checksums.remote())
+    (ref,) = ray.get(trainer.put.remote(new))
+    with pytest.raises(Exception, match="'0.weight' is not contiguous"):
+        ray.get(rank.pull.remote([ref], names), timeout=60)
+    assert ray.get(rank.checksums.remote()) == before
+
+
+@pytest.mark.parametrize("what", ["empty", "plain value", "non-RDT ref", "number"])
+def test_bad_refs_are_rejected(pair, what):
+    ray, rank, trainer = pair
+    names, new = _new_weights(6)
+    before = ray.get(rank.checksums.remote())
+    if what == "empty":
+        call, match = ([], []), "empty pull"
+    elif what == "plain value":
+        call, match = ([new], names), "expected a ray.ObjectRef, got list"
+    elif what == "non-RDT ref":
+        (plain,) = ray.get(trainer.put_plain.remote(new))
+        call, match = ([plain], names), "is not an RDT object: put it with"
+    else:
+        call, match = ([42], names), "expected a ray.ObjectRef, got int"
+    with pytest.raises(Exception, match=match):
+        ray.get(rank.pull.remote(*call), timeout=60)
+    assert ray.get(rank.checksums.remote()) == before
+
+
+def test_ref_whose_owner_died_fails_fast_without_writing(pair):
+    ray, rank, trainer = pair
+    names, new = _new_weights(7)
+    (ref,) = ray.get(trainer.put.remote(new))
+    before = ray.get(rank.checksums.remote())
+    ray.kill(trainer)
+    time.sleep(1)
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as e:
+        ray.get(rank.pull.remote([ref], names, 20), timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert "Died" in str(e.value) or "owner" in str(e.value).lower() or "inconsistent" in str(e.value)
+    assert ray.get(rank.checksums.remote()) == before
+
+
+def test_dropped_targets_are_a_loud_failure_not_a_silent_no_op(pair):
+    ray, rank, trainer = pair
+    names, new = _new_weights(8)
+    before = ray.get(rank.checksums.remote())
+    (ref,) = ray.get(trainer.put.remote(new))
+    with pytest.raises(Exception, match="fetched into a new buffer instead of the live parameter"):
+        ray.get(rank.pull_with_targets_dropped.remote([ref], names), timeout=60)
+    assert ray.get(rank.checksums.remote()) == before  # the model really was not updated
+    assert ray.get(rank.status.remote())["weights_consistent"] is False
+
+
+def test_source_is_not_snapshotted_by_put(pair):
+    """Why the source bucket must not change before every rank pulled it."""
+    ray, rank, trainer = pair
+    names, new = _new_weights(9)
+    (ref,) = ray.get(trainer.put.remote(new))
+    ray.get(trainer.mutate.remote(7.0))
+    ray.get(rank.pull.remote([ref], names), timeout=60)
+    state = ray.get(rank.state.remote())
+    assert all(bool((state[n] == 7.0).all()) for n in names)
+
+
+def test_killing_the_trainer_mid_pull_fails_in_bounded_time_and_marks_inconsistent(
+    ray_client, toy_rank
+):
+    ray = ray_client
+    n, numel = 64, 4 * 2**20  # 64 x 16 MiB = 1 GiB of float32
+    rank = toy_rank
+    trainer = ToyTrainer.remote()
+    try:
+        # A rank whose model is 64 big vectors, so the pull writes 1 GiB.
+        ray.get(rank.reset_big.remote(n, numel), timeout=120)
+        names = [f"w{i}" for i in range(n)]
+        (ref,) = ray.get(trainer.put_large.remote(n, numel), timeout=120)
+        pid = ray.get(trainer.pid.remote())
+        result = {}
+
+        def pull():
+            try:
+                result["ok"] = ray.get(rank.pull.remote([ref], names), timeout=120)
+            except Exception as e:
+                result["err"] = e
+            result["t"] = time.monotonic()
+
+        th = threading.Thread(target=pull)
+        t0 = time.monotonic()
+        th.start()
+        time.sleep(0.3)
+        import os
+        import signal
+
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        th.join(timeout=120)
+        assert not th.is_alive()
+        if "ok" in result:
+            pytest.skip(f"the 1 GiB pull finished in {result['t'] - t0:.2f} s, before the kill")
+        assert result["t"] - t_kill < 30, "the failure must surface in bounded time"
+        status = ray.get(rank.status.remote(), timeout=30)
+        assert status["weights_consistent"] is False
+        assert "failed mid-transfer" in status["inconsistent_reason"]
+        # The rank still works: a complete update afterwards is accepted.
+        trainer2 = ToyTrainer.remote()
+        (ref2,) = ray.get(trainer2.put_large.remote(n, 1024), timeout=60)
+        with pytest.raises(Exception, match="layout mismatch"):
+            ray.get(rank.pull.remote([ref2], names), timeout=60)
+        ray.kill(trainer2)
+    finally:
+        ray.kill(trainer)
+        ray.get(rank.reset.remote(0), timeout=60)  # free the 1 GiB

@@ -15,11 +15,16 @@ another, each in its own Ray actor:
   bucket of ``--nccl-bucket-mib``, the receiver allocates the bucket's tensors,
   each tensor is broadcast with ``async_op=True``, then copied into the
   parameters (``load_weights``);
-* ``ipc`` (CUDA, optional): the same receiver pulling a ref put with the
-  ``SGLANG_IPC`` transport (:mod:`sglang.srt.ray.rdt.cuda_ipc_transport`);
+* ``ipc``: the same receiver pulling a ref put with the ``SGLANG_IPC``
+  transport (:mod:`sglang.srt.ray.rdt.cuda_ipc_transport`): CUDA IPC + copy
+  engine on one node (cold, steady, variants of ``--ipc-variants``, and with
+  the handle cache off); on CPU it shows the transport's fall-back to NIXL.
+  ``receiver.py`` accepts only NIXL refs, so the receiver actor lets its
+  ``ref_tensor_specs`` accept this transport too (benchmark only);
 * the ceiling: copies of same-shaped tensors between the two devices in the
-  driver process (CUDA: one tensor, a per-tensor loop with torch, and raw copy
-  engine loops on 1 or more streams; CPU: memcpy).
+  driver process (CUDA: one tensor, a per-tensor loop with torch, raw copy
+  engine loops on 1 or more streams, one ``cuMemcpyBatchAsync``, one SM copy
+  kernel; CPU: memcpy).
 
 Every pull and broadcast is checked byte for byte: the sender fills its tensors
 with a deterministic pattern, the receiver poisons its targets first and
@@ -27,12 +32,17 @@ compares every byte with the pattern it computes itself.
 
 Examples::
 
-    # GPU (two GPUs): everything
-    python benchmark/rdt_weight_sync/bench_pull.py --device cuda
+    # GPU (two GPUs): everything, ~60 s on two H200s (docs/performance.md)
+    python benchmark/rdt_weight_sync/bench_pull.py --device cuda --steady 7
     # CPU (CI smoke test): NIXL over DRAM vs memcpy, small
     python benchmark/rdt_weight_sync/bench_pull.py --device cpu --uniform 8x1
 
-It starts a local Ray (``ray.init()``) unless ``RAY_ADDRESS`` names a cluster.
+It starts a local Ray (``ray.init()``) unless ``RAY_ADDRESS`` names a cluster,
+and needs only torch, ray (+ nixl) and, for the model workload, transformers:
+the sglang modules it drives are imported from this checkout without sglang's
+package ``__init__`` (see :func:`light_sglang`). Numbers go to ``--json-out``
+(default ``$OUT/bench_pull.json`` when ``OUT`` is set); the table is printed
+last, followed by ``BYTE_CHECK: PASS`` or ``FAIL`` (exit status 1).
 """
 
 from __future__ import annotations
@@ -268,6 +278,14 @@ def instrument_nixl(timer: StageTimer) -> None:
     timer.wrap(agent, "release_xfer_handle", "release")
 
 
+GET_TIMEOUT_S = 300.0
+
+
+def get(refs, timeout: Optional[float] = None):
+    """``ray.get`` that never waits forever."""
+    return ray.get(refs, timeout=GET_TIMEOUT_S if timeout is None else timeout)
+
+
 def transport_name(kind: str) -> str:
     return "nixl" if kind == "nixl" else "SGLANG_IPC"
 
@@ -277,6 +295,9 @@ def transport_name(kind: str) -> str:
 # --------------------------------------------------------------------------- #
 class _Side:
     def _setup(self, specs, device_kind: str, register_ipc: bool):
+        import faulthandler
+
+        faulthandler.enable()  # a crash leaves a Python stack in the worker's .err log
         light_sglang()
         if register_ipc:
             from sglang.srt.ray.rdt import cuda_ipc_transport
@@ -347,11 +368,14 @@ class Sender(_Side):
 
     def register(self):
         from ray.experimental import register_nixl_memory
+        from ray.experimental.rdt.util import get_tensor_transport_manager
 
         t0 = time.perf_counter()
+        get_tensor_transport_manager("NIXL").get_nixl_agent()
+        t1 = time.perf_counter()
         for t in self.tensors:
             register_nixl_memory(t)
-        return time.perf_counter() - t0
+        return {"agent_seconds": t1 - t0, "seconds": time.perf_counter() - t1}
 
     def fill(self, seed: int):
         self.pattern.fill(self.tensors, seed)
@@ -413,7 +437,13 @@ class Receiver(_Side):
         self._instrumented = False
 
     def register(self):
-        out = self.receiver.register()
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+
+        t0 = time.perf_counter()
+        get_tensor_transport_manager("NIXL").get_nixl_agent()  # first NIXL use in the process
+        agent_s = time.perf_counter() - t0
+        out = dict(self.receiver.register())
+        out["agent_seconds"] = agent_s
         if not self._instrumented:
             instrument_nixl(self.timer)
             self._instrumented = True
@@ -434,14 +464,23 @@ class Receiver(_Side):
         receiver_mod.ref_tensor_specs = ref_tensor_specs
         return True
 
-    def ipc_cache(self, enabled: bool):
+    def ipc_config(self, cache=None, engine=None, streams=None, method=None):
         from sglang.srt.ray.rdt import cuda_ipc_transport
 
         t = cuda_ipc_transport.transport()
-        t.cache_mappings = enabled
-        if not enabled:
-            cuda_ipc_transport.close_ipc_mappings()
-        return t.mapping_stats()
+        if cache is not None:
+            t.cache_mappings = cache
+            if not cache:
+                cuda_ipc_transport.close_ipc_mappings()
+        if engine is not None and engine != t.engine:
+            cuda_ipc_transport.close_ipc_mappings()  # mappings live in the engine's context
+            t.engine = engine
+        if streams is not None:
+            t.nstreams = streams
+        if method is not None:
+            t.method = method
+        return {"engine": t.engine, "streams": t.nstreams, "method": t.method, "cache": t.cache_mappings,
+                **t.mapping_stats()}
 
     def poison(self, seed: int):
         self.pattern.fill(self.tensors, seed + 7919)
@@ -477,7 +516,7 @@ class Receiver(_Side):
         if kind == "ipc":
             from sglang.srt.ray.rdt import cuda_ipc_transport
 
-            info = cuda_ipc_transport.last_fetch()
+            info = cuda_ipc_transport.fetch_info(refs[-1]) or cuda_ipc_transport.last_fetch()
             stats["transport"] = f"{cuda_ipc_transport.TRANSPORT_NAME}/{info.path}"
             stats["ipc"] = dict(info.__dict__)
             stats["ipc_mappings"] = cuda_ipc_transport.transport().mapping_stats()
@@ -538,28 +577,35 @@ def cuda_ceilings(specs, src_idx: int, dst_idx: int, reps: int, streams: List[in
         torch.cuda.synchronize(d0)
         torch.cuda.synchronize(d1)
 
+    def copied_ok(fn) -> bool:
+        """Zero the targets, run one copy, compare every bit (bf16 patterns hold NaNs)."""
+        for d in dst:
+            d.zero_()
+        sync_both()  # copies on other streams do not wait for zero_()
+        fn()
+        sync_both()
+        return all(torch.equal(words_of(d), words_of(s).to(d.device)) for d, s in zip(dst, src))
+
     def torch_loop():
         for d, s in zip(dst, src):
             d.copy_(s, non_blocking=True)
         sync_both()
 
     t, ts = median_time(torch_loop, reps)
-    out["torch_per_tensor"] = {"seconds": t, "all": ts}
-    out["torch_per_tensor"]["bytes_ok"] = all(torch.equal(words_of(d).cpu()[:1024], words_of(s).cpu()[:1024]) for d, s in zip(dst[:4], src[:4]))
+    out["torch_per_tensor"] = {"seconds": t, "all": ts, "label": "peer copy, per-tensor loop (torch copy_)"}
+    out["torch_per_tensor_bytes_ok"] = copied_ok(torch_loop)
 
     try:
-        from sglang.srt.ray.rdt.cuda_ipc_transport import driver
+        from sglang.srt.ray.rdt import cuda_ipc_transport as cit
 
-        drv = driver()
+        drv = cit.driver()
         drv.enable_peer_access(dst_idx, src_idx)
         drv.enable_peer_access(src_idx, dst_idx)
         pairs = [(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size()) for d, s in zip(dst, src)]
         for engine, eng_idx in (("pull", dst_idx), ("push", src_idx)):
             for k in streams:
                 strs = [torch.cuda.Stream(device=eng_idx) for _ in range(k)]
-                from sglang.srt.ray.rdt.cuda_ipc_transport import spread
-
-                queues = spread(pairs, k)
+                queues = cit.spread(pairs, k)
 
                 def ce_loop():
                     drv.push(eng_idx)
@@ -574,7 +620,39 @@ def cuda_ceilings(specs, src_idx: int, dst_idx: int, reps: int, streams: List[in
                         st.synchronize()
 
                 t, ts = median_time(ce_loop, reps)
-                out[f"ce_{engine}_per_tensor_{k}streams"] = {"seconds": t, "all": ts}
+                out[f"ce_{engine}_{k}"] = {"seconds": t, "all": ts,
+                                           "label": f"copy engine {engine}, per-tensor, {k} stream(s)"}
+            st = torch.cuda.Stream(device=eng_idx)
+
+            def batch():
+                drv.push(eng_idx)
+                try:
+                    cit.memcpy_batch_async(drv, pairs, st.cuda_stream, src_idx, dst_idx)
+                finally:
+                    drv.pop()
+                st.synchronize()
+
+            try:
+                t, ts = median_time(batch, reps)
+                out[f"batch_{engine}"] = {"seconds": t, "all": ts,
+                                          "label": f"copy engine {engine}, one cuMemcpyBatchAsync"}
+                out[f"batch_{engine}_bytes_ok"] = copied_ok(batch)
+            except Exception as e:
+                out[f"batch_{engine}_error"] = f"{type(e).__name__}: {e}"
+            try:
+                table = cit.chunk_table(pairs)
+                for bps in (1, 2, 4):
+                    def kern():
+                        cit.sm_copy(pairs, eng_idx, st.cuda_stream, blocks_per_sm=bps, table=table)
+
+                    t, ts = median_time(kern, reps)
+                    out[f"kernel_{engine}_{bps}"] = {
+                        "seconds": t, "all": ts,
+                        "label": f"SM copy kernel {engine}, one launch, {bps} block(s)/SM"}
+                out[f"kernel_{engine}_bytes_ok"] = copied_ok(
+                    lambda: cit.sm_copy(pairs, eng_idx, st.cuda_stream, table=table))
+            except Exception as e:
+                out[f"kernel_{engine}_error"] = f"{type(e).__name__}: {e}"[:500]
     except Exception as e:  # pragma: no cover - reported, not fatal
         out["ce_error"] = f"{type(e).__name__}: {e}"
     del src, dst
@@ -589,7 +667,7 @@ def cuda_ceilings(specs, src_idx: int, dst_idx: int, reps: int, streams: List[in
         sync_both()
 
     t, ts = median_time(one, reps)
-    out["torch_one_tensor"] = {"seconds": t, "all": ts}
+    out["torch_one_tensor"] = {"seconds": t, "all": ts, "label": "peer copy, one tensor (torch copy_)"}
     del bs, bd
     torch.cuda.empty_cache()
     return out
@@ -646,14 +724,14 @@ def run_pulls(sender, receiver, names, kind: str, rounds: int, seed0: int, log) 
     out = []
     for r in range(rounds):
         seed = seed0 + r
-        ray.get([sender.fill.remote(seed), receiver.poison.remote(seed)])
-        refs, put_info = ray.get(sender.put.remote(kind))
+        get([sender.fill.remote(seed), receiver.poison.remote(seed)])
+        refs, put_info = get(sender.put.remote(kind))
         t0 = time.perf_counter()
-        stats = ray.get(receiver.pull.remote(refs, names, kind))
+        stats = get(receiver.pull.remote(refs, names, kind))
         stats["driver_seconds"] = time.perf_counter() - t0
         stats.update(put_info)
-        stats["check"] = ray.get(receiver.verify.remote(seed))
-        ray.get(sender.drop.remote())
+        stats["check"] = get(receiver.verify.remote(seed))
+        get(sender.drop.remote())
         del refs
         out.append(stats)
         log(f"  {kind} pull {r}: {stats['bytes'] / stats['fetch_seconds'] / GB:8.1f} GB/s "
@@ -667,11 +745,24 @@ def run_workload(wname: str, specs, args, log) -> Dict[str, Any]:
     res: Dict[str, Any] = {"tensors": len(specs), "bytes": nbytes}
     cuda = args.device == "cuda"
     names = [n for n, _, _ in specs]
+    errors = res.setdefault("errors", {})
+
+    def section(name, fn):
+        try:
+            fn()
+        except Exception as e:  # keep measuring the rest; the report shows it
+            import traceback
+
+            errors[name] = f"{type(e).__name__}: {e}"[:2000]
+            log(f"[{wname}] {name} FAILED: {errors[name]}")
+            log(traceback.format_exc()[-3000:])
+
     if cuda and not args.skip_ceiling:
         log(f"[{wname}] peer-copy ceiling in the driver ...")
-        res["ceiling"] = cuda_ceilings(specs, 0, 1, args.reps, args.ceiling_streams)
+        section("ceiling", lambda: res.__setitem__(
+            "ceiling", cuda_ceilings(specs, 0, 1, args.reps, args.ceiling_streams)))
     elif not cuda:
-        res["ceiling"] = cpu_ceilings(specs, args.reps)
+        section("ceiling", lambda: res.__setitem__("ceiling", cpu_ceilings(specs, args.reps)))
 
     want_ipc = "ipc" in args.paths
     ipc_why = ipc_available() if want_ipc else None
@@ -685,42 +776,68 @@ def run_workload(wname: str, specs, args, log) -> Dict[str, Any]:
     opts = {"num_gpus": 1 if cuda else 0, "runtime_env": {"env_vars": env}}
     t0 = time.perf_counter()
     sender = Sender.options(**opts).remote(specs, args.device, want_ipc)
-    ray.get(sender.where.remote())
+    get(sender.where.remote())
     receiver = Receiver.options(**opts).remote(specs, args.device, want_ipc)
-    res["placement"] = {"sender": ray.get(sender.where.remote()), "receiver": ray.get(receiver.where.remote())}
+    res["placement"] = {"sender": get(sender.where.remote()), "receiver": get(receiver.where.remote())}
     res["actors_seconds"] = time.perf_counter() - t0
     log(f"[{wname}] actors: {res['placement']}")
     try:
         if "pull" in args.paths or want_ipc:
-            res["sender_register_seconds"] = ray.get(sender.register.remote())
-            res["receiver_register"] = ray.get(receiver.register.remote())
-        ptrs = ray.get(receiver.pointers.remote())
+            res["sender_register"] = get(sender.register.remote())
+            res["receiver_register"] = get(receiver.register.remote())
+        ptrs = get(receiver.pointers.remote())
         if "pull" in args.paths:
             log(f"[{wname}] NIXL pulls ...")
-            res["pull"] = run_pulls(sender, receiver, names, "nixl", 1 + args.steady, 100, log)
-        if cuda and "nccl" in args.paths:
-            log(f"[{wname}] NCCL broadcast ...")
+            section("pull", lambda: res.__setitem__(
+                "pull", run_pulls(sender, receiver, names, "nixl", 1 + args.steady, 100, log)))
+
+        def nccl():
             port = free_port()
-            ray.get([sender.nccl_init.remote(port, 0), receiver.nccl_init.remote(port, 1)])
-            ray.get([sender.fill.remote(300), receiver.poison.remote(300)])
+            get([sender.nccl_init.remote(port, 0), receiver.nccl_init.remote(port, 1)], timeout=120)
+            get([sender.fill.remote(300), receiver.poison.remote(300)])
             bb = int(args.nccl_bucket_mib * MiB)
             s_ref = sender.nccl_send.remote(bb, 1 + args.steady)
-            r_out = ray.get(receiver.nccl_recv.remote(bb, 1 + args.steady))
-            ray.get(s_ref)
-            res["nccl"] = {"iters": r_out, "check": ray.get(receiver.verify.remote(300)),
+            r_out = get(receiver.nccl_recv.remote(bb, 1 + args.steady))
+            get(s_ref)
+            res["nccl"] = {"iters": r_out, "check": get(receiver.verify.remote(300)),
                            "bucket_bytes": bb}
-            ray.get([sender.nccl_close.remote(), receiver.nccl_close.remote()])
+            get([sender.nccl_close.remote(), receiver.nccl_close.remote()])
             log(f"  nccl: {[round(nbytes / x['broadcast_seconds'] / GB, 1) for x in r_out]} GB/s "
                 f"bytes_ok={res['nccl']['check']['ok']}")
-        if want_ipc:
+
+        def ipc():
             log(f"[{wname}] SGLANG_IPC pulls ...")
-            ray.get(receiver.accept_ipc_refs.remote())
+            get(receiver.accept_ipc_refs.remote())
+            variants = [(v.split(":") + ["ce"])[:3] for v in args.ipc_variants.split(",") if v] if cuda else [["dst", "4", "ce"]]
+            eng, nst, meth = variants[0]
+            res["ipc_config"] = get(receiver.ipc_config.remote(engine=eng, streams=int(nst), method=meth))
             res["ipc"] = run_pulls(sender, receiver, names, "ipc", 1 + args.steady, 500, log)
-            if args.ipc_nocache_rounds:
-                ray.get(receiver.ipc_cache.remote(False))
+            if cuda and args.ipc_nocache_rounds:
+                get(receiver.ipc_config.remote(cache=False))
                 res["ipc_nocache"] = run_pulls(sender, receiver, names, "ipc", args.ipc_nocache_rounds, 700, log)
-                ray.get(receiver.ipc_cache.remote(True))
-        res["pointers_unchanged"] = ray.get(receiver.pointers.remote()) == ptrs
+                get(receiver.ipc_config.remote(cache=True))
+            res["ipc_variants"] = {}
+            for j, (eng, nst, meth) in enumerate(variants[1:]):
+                key = f"{eng}:{nst}:{meth}"
+                try:
+                    cfg = get(receiver.ipc_config.remote(engine=eng, streams=int(nst), method=meth))
+                    log(f"  variant {cfg}")
+                    pulls = run_pulls(sender, receiver, names, "ipc", 1 + args.variant_rounds, 600 + 10 * j, log)
+                    res["ipc_variants"][key] = pulls
+                except Exception as e:
+                    errors[f"ipc {key}"] = f"{type(e).__name__}: {e}"[:1000]
+                    log(f"  variant {key} FAILED: {errors[f'ipc {key}']}")
+                    if "ActorDiedError" in type(e).__name__:
+                        break
+            res["ipc_config_end"] = get(receiver.ipc_config.remote(engine=variants[0][0], streams=int(variants[0][1]), method=variants[0][2]))
+
+        if cuda and "nccl" in args.paths:
+            log(f"[{wname}] NCCL broadcast ...")
+            section("nccl", nccl)
+        if want_ipc:
+            section("ipc", ipc)
+        section("pointers", lambda: res.__setitem__(
+            "pointers_unchanged", get(receiver.pointers.remote()) == ptrs))
     finally:
         ray.kill(sender)
         ray.kill(receiver)
@@ -741,15 +858,16 @@ def summarize(res: Dict[str, Any], device: str) -> Dict[str, Any]:
     ceil = res.get("ceiling", {})
     ref_per, ref_one = None, None
     if device == "cuda":
-        labels = [("torch_one_tensor", "peer copy, one tensor (torch copy_)"),
-                  ("torch_per_tensor", "peer copy, per-tensor loop (torch copy_)")]
-        for k in sorted(ceil):
-            if k.startswith("ce_"):
-                eng, _, _, st = k[3:].split("_")
-                labels.append((k, f"copy engine {eng}, per-tensor, {st.replace('streams', '')} stream(s)"))
-        for k, label in labels:
-            if k in ceil:
-                rows.append((label, _gbps(nbytes, ceil[k]["seconds"]), None, None))
+        keys = ["torch_one_tensor", "torch_per_tensor"] + [
+            k for k in ceil if k not in ("torch_one_tensor", "torch_per_tensor")]
+        for k in keys:
+            if isinstance(ceil.get(k), dict) and "label" in ceil[k]:
+                ok = None
+                if k.startswith(("kernel_", "batch_")):
+                    ok = ceil.get(f"{k.split('_')[0]}_{k.split('_')[1]}_bytes_ok")
+                elif k == "torch_per_tensor":
+                    ok = ceil.get("torch_per_tensor_bytes_ok")
+                rows.append((ceil[k]["label"], _gbps(nbytes, ceil[k]["seconds"]), None, ok))
         if "torch_per_tensor" in ceil:
             ref_per = _gbps(nbytes, ceil["torch_per_tensor"]["seconds"])
         if "torch_one_tensor" in ceil:
@@ -766,7 +884,7 @@ def summarize(res: Dict[str, Any], device: str) -> Dict[str, Any]:
         if not pulls:
             return
         cold, steady = pulls[0], pulls[1:]
-        rows.append((f"{label} cold (1st after register)", _gbps(nbytes, cold["fetch_seconds"]),
+        rows.append((f"{label} cold", _gbps(nbytes, cold["fetch_seconds"]),
                      cold.get("peak_extra_bytes"), cold["check"]["ok"]))
         if steady:
             med = statistics.median(p["fetch_seconds"] for p in steady)
@@ -774,7 +892,7 @@ def summarize(res: Dict[str, Any], device: str) -> Dict[str, Any]:
                          max((p.get("peak_extra_bytes") or 0) for p in steady) if device == "cuda" else None,
                          all(p["check"]["ok"] for p in steady)))
             medt = statistics.median(p["seconds"] for p in steady)
-            rows.append((f"{label} steady, whole pull() incl. plan", _gbps(nbytes, medt), None, None))
+            rows.append((f"{label} steady, whole pull()", _gbps(nbytes, medt), None, None))
 
     pull_rows("pull", "pull, NIXL")
     if res.get("nccl"):
@@ -786,8 +904,19 @@ def summarize(res: Dict[str, Any], device: str) -> Dict[str, Any]:
         mib = res["nccl"]["bucket_bytes"] // MiB
         rows.append((f"NCCL broadcast, {mib} MiB buckets (median of {len(it)})", _gbps(nbytes, mb), peak, ok))
         rows.append(("NCCL broadcast + copy into params (load_weights)", _gbps(nbytes, mt), peak, ok))
-    pull_rows("ipc", "pull, SGLANG_IPC")
-    pull_rows("ipc_nocache", "pull, SGLANG_IPC, handles re-opened each pull")
+    cfg = res.get("ipc_config") or {}
+    pull_rows("ipc", "pull, SGLANG_IPC" + (f" ({cfg['engine']}, {cfg['streams']} str, {cfg['method']})" if cfg and device == "cuda" else ""))
+    for v, pulls in (res.get("ipc_variants") or {}).items():
+        eng, nst, meth = v.split(":")
+        med = statistics.median(p["fetch_seconds"] for p in pulls[1:] or pulls)
+        rows.append((f"pull, SGLANG_IPC ({eng}, {nst} str, {meth}) median of {len(pulls[1:] or pulls)}",
+                     _gbps(nbytes, med), max((p.get("peak_extra_bytes") or 0) for p in pulls),
+                     all(p["check"]["ok"] for p in pulls)))
+    if res.get("ipc_nocache"):
+        pulls = res["ipc_nocache"]
+        med = statistics.median(p["fetch_seconds"] for p in pulls)
+        rows.append((f"pull, SGLANG_IPC, handles re-opened (median of {len(pulls)})", _gbps(nbytes, med),
+                     max((p.get("peak_extra_bytes") or 0) for p in pulls), all(p["check"]["ok"] for p in pulls)))
     return {"rows": rows, "ref_per_tensor": ref_per, "ref_one_tensor": ref_one}
 
 
@@ -806,8 +935,12 @@ def stage_table(res: Dict[str, Any]) -> List[Tuple[str, str, str]]:
 
     rows = []
     rr = res.get("receiver_register") or {}
-    rows.append(("registration: receiver register() (once)", fmt(rr.get("seconds", 0.0)), ""))
-    rows.append(("registration: sender register_nixl_memory (once)", fmt(res.get("sender_register_seconds", 0.0)), ""))
+    sr = res.get("sender_register") or {}
+    n = res.get("tensors")
+    rows.append(("first NIXL use: agent + UCX init (receiver, once)", fmt(rr.get("agent_seconds", 0.0)), ""))
+    rows.append((f"registration: receiver register(), {n} tensors (once)", fmt(rr.get("seconds", 0.0)), ""))
+    rows.append(("first NIXL use: agent + UCX init (sender, once)", fmt(sr.get("agent_seconds", 0.0)), ""))
+    rows.append((f"registration: sender register_nixl_memory x{n} (once)", fmt(sr.get("seconds", 0.0)), ""))
     rows.append(("metadata: sender ray.put (NIXL metadata)", fmt(cold["put_seconds"]), fmt(med("put_seconds"))))
     rows.append(("  NIXL agent metadata carried by the ref", f"{cold.get('nixl_agent_meta_bytes', 0) / 1024:9.1f} KiB", ""))
     rows.append(("metadata: receiver read + validate (plan)", fmt(cold["plan_seconds"]), fmt(med("plan_seconds"))))
@@ -839,7 +972,7 @@ def print_report(results: Dict[str, Any], args) -> bool:
         if pl:
             print(f"sender {pl['sender']['device']} -> receiver {pl['receiver']['device']}")
         ref_p, ref_o = s["ref_per_tensor"], s["ref_one_tensor"]
-        print(f"{'path':<52} {'GB/s':>8} {'x per-tensor':>13} {'x one-tensor':>13} {'recv extra MiB':>15} {'bytes ok':>9}")
+        print(f"{'path':<58} {'GB/s':>8} {'x per-tensor':>13} {'x one-tensor':>13} {'recv extra MiB':>15} {'bytes ok':>9}")
         for label, g, extra, ok in s["rows"]:
             xp = f"{g / ref_p:.2f}" if ref_p else "-"
             xo = f"{g / ref_o:.2f}" if ref_o else "-"
@@ -847,11 +980,16 @@ def print_report(results: Dict[str, Any], args) -> bool:
             oks = "-" if ok is None else ("yes" if ok else "NO")
             if ok is False:
                 all_ok = False
-            print(f"{label:<52} {g:8.1f} {xp:>13} {xo:>13} {ex:>15} {oks:>9}")
+            gs = f"{g:8.1f}" if g >= 10 else f"{g:8.2f}"
+            print(f"{label:<58} {gs} {xp:>13} {xo:>13} {ex:>15} {oks:>9}")
+        for name, err in (res.get("errors") or {}).items():
+            all_ok = False
+            print(f"!! {name} failed: {err[:300]}")
         if res.get("ipc_skipped"):
             print(f"(SGLANG_IPC not run: {res['ipc_skipped']})")
-        if "ce_error" in res.get("ceiling", {}):
-            print(f"(copy-engine ceilings not run: {res['ceiling']['ce_error']})")
+        for k, v in res.get("ceiling", {}).items():
+            if k.endswith("_error"):
+                print(f"(ceiling {k}: {v[:300]})")
         st = stage_table(res)
         if st:
             print(f"\n{'NIXL pull stage (receiver unless noted)':<52} {'cold':>12} {'steady med':>12}")
@@ -872,6 +1010,12 @@ def print_report(results: Dict[str, Any], args) -> bool:
     return all_ok
 
 
+def dump(results, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -885,7 +1029,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="repetitions of each ceiling copy")
     ap.add_argument("--ceiling-streams", default="1,4", help="copy-engine ceiling stream counts")
     ap.add_argument("--nccl-bucket-mib", type=float, default=1024)
-    ap.add_argument("--ipc-nocache-rounds", type=int, default=2)
+    ap.add_argument("--ipc-nocache-rounds", type=int, default=3)
+    ap.add_argument("--ipc-variants", default="dst:1:batch,dst:1:ce,dst:4:ce,src:1:batch,dst:1:kernel",
+                    help="SGLANG_IPC engine:streams:method (method: ce, batch, kernel); the first is the "
+                    "headline (cold + steady), the others run 1 + --variant-rounds pulls each")
+    ap.add_argument("--variant-rounds", type=int, default=3)
     ap.add_argument("--skip-ceiling", action="store_true")
     ap.add_argument("--actor-env", action="append", default=[], help="KEY=VALUE for both actors (repeatable)")
     ap.add_argument("--json-out", default=None, help="write all numbers here (default $OUT/bench_pull.json if OUT is set)")
@@ -955,12 +1103,12 @@ def main(argv=None) -> int:
             res["describe"] = desc
             res.update(extra)
             results["workloads"][w] = res
+            if args.json_out:
+                dump(results, args.json_out)
     finally:
         results["total_seconds"] = time.perf_counter() - t_start
         if args.json_out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-            with open(args.json_out, "w") as f:
-                json.dump(results, f, indent=1, default=str)
+            dump(results, args.json_out)
         ray.shutdown()
     ok = print_report(results, args)
     print(f"total {results['total_seconds']:.1f} s")

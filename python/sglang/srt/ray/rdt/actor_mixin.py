@@ -101,6 +101,15 @@ class RdtWeightSyncMixin:
         )
 
         add_weight_memory_listener(self.scheduler, self._rdt_receiver)
+        if self._rdt_device == "cuda":
+            # The same-node fast path; Ray pushes custom transports to new
+            # actors asynchronously, so register it here ourselves.
+            try:
+                from sglang.srt.ray.rdt import cuda_ipc_transport
+
+                cuda_ipc_transport.register()
+            except Exception as e:
+                logger.warning("[RDT] CUDA IPC fast path unavailable, NIXL only: %s", e)
 
     def _exit_orphaned(self, why: str) -> None:
         import ray
@@ -220,6 +229,7 @@ class RdtWeightSyncMixin:
             if weight_version is not None:
                 scheduler.record_weight_version_change(new_version=str(weight_version))
             receiver.mark_consistent()
+            receiver.end_of_update()
             self._rdt_update_touched = False
             return {
                 "success": True,
@@ -250,6 +260,7 @@ class RdtWeightSyncMixin:
                 updater.end_weight_update(EndWeightUpdateReqInput())
             if self._rdt_update_touched:
                 receiver.mark_inconsistent(reason)
+            receiver.end_of_update()
             self._rdt_update_touched = False
             return receiver.status()
 

@@ -15,7 +15,8 @@ receiver on the sender's node that sees the sender's GPU maps the segments and
 copies with the copy engine straight into the target buffers; anything else —
 another node, a GPU it cannot see, CPU tensors, memory that cannot be exported
 by legacy CUDA IPC (``expandable_segments``), a failed ``cuIpcOpenMemHandle`` —
-reads through NIXL as before. :func:`last_fetch` says which path a fetch took.
+reads through NIXL as before. :func:`fetch_info` says which path the fetch of
+a ref took and why (:func:`last_fetch`: the latest fetch in this process).
 
 Life cycle of the mapped segments (a stale mapping must never be read):
 
@@ -30,8 +31,11 @@ Life cycle of the mapped segments (a stale mapping must never be read):
   a mapping after the ref is gone;
 * mappings unused for ``max_idle_fetches`` fetches, and all mappings of the
   oldest sender once more than ``max_senders`` were seen, are closed;
-  :func:`close_ipc_mappings` closes everything (call it before the receiver
-  frees its targets or after a trainer restarts).
+  :func:`close_ipc_mappings` closes everything. An open mapping may keep a
+  segment the sender has since freed from going back to its GPU (legacy CUDA
+  IPC; not measured here), so a receiver should close its mappings when an
+  update session ends if the trainer re-allocates what it puts; re-opening
+  costs about one cold pull (docs/performance.md).
 
 Traps this avoids (../DESIGN.md section 3): no inter-process CUDA event is
 waited on from another GPU's stream (that segfaulted): the sender synchronises
@@ -42,11 +46,15 @@ calls :func:`register` itself (idempotent); the creator must also call it
 before it creates the actors.
 
 Tuning (environment, read when the transport is created in a process):
-``SGLANG_RDT_IPC_STREAMS`` (copy streams, default 4),
-``SGLANG_RDT_IPC_ENGINE`` (``dst``: the receiving GPU's copy engine reads over
-NVLink, default; ``src``: the source GPU's copy engine writes, which needs a
-context on the source GPU in the receiving process),
-``SGLANG_RDT_IPC_NIXL_FALLBACK`` (``1``: also put NIXL metadata, default).
+``SGLANG_RDT_IPC_METHOD`` (``batch``: one ``cuMemcpyBatchAsync`` for all
+tensors, default, falls back to ``ce`` if the driver refuses; ``ce``: one
+``cuMemcpyAsync`` per tensor; ``kernel``: one SM copy kernel, experimental,
+needs CuPy), ``SGLANG_RDT_IPC_STREAMS`` (copy streams, default 1),
+``SGLANG_RDT_IPC_ENGINE`` (``dst``: the receiving GPU reads over NVLink,
+default; ``src``: the source GPU writes, which costs a CUDA context on the
+source GPU in the receiving process), ``SGLANG_RDT_IPC_NIXL_FALLBACK`` (``1``:
+also put NIXL metadata, default). Measured on two H200s (NVLink):
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -57,7 +65,8 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
@@ -122,6 +131,18 @@ class _Driver:
         self.cuMemcpyDtoDAsync = fn(
             ["cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"], [u64, u64, sz, p]
         )
+        # CUDA 12.8+: one call for a list of copies (13.x: _v2, without failIdx).
+        self._batch_v2 = True
+        try:
+            self.cuMemcpyBatchAsync = fn(
+                ["cuMemcpyBatchAsync_v2"], [p, p, p, sz, p, p, sz, p]
+            )
+        except AttributeError:
+            self._batch_v2 = False
+            try:
+                self.cuMemcpyBatchAsync = fn(["cuMemcpyBatchAsync"], [p, p, p, sz, p, p, sz, p, p])
+            except AttributeError:
+                self.cuMemcpyBatchAsync = None
         self.check("cuInit", self.cuInit(0))
         self._ctx: Dict[int, int] = {}
 
@@ -188,6 +209,116 @@ class _Driver:
         rc = self.cuMemcpyDtoDAsync(dst, src, nbytes, ctypes.c_void_p(stream))
         if rc != 0:
             self.check("cuMemcpyDtoDAsync", rc)
+
+
+class _CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CUmemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _CUmemLocation),
+        ("dstLocHint", _CUmemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
+CU_MEM_LOCATION_TYPE_DEVICE = 0x1
+
+
+def memcpy_batch_async(drv: "_Driver", copies, stream: int, src_dev: int, dst_dev: int) -> None:
+    """All ``copies`` (dst, src, nbytes) with one cuMemcpyBatchAsync call."""
+    if drv.cuMemcpyBatchAsync is None:
+        raise CudaDriverError("cuMemcpyBatchAsync", -1, "not in this driver")
+    n = len(copies)
+    dsts = (ctypes.c_uint64 * n)(*[c[0] for c in copies])
+    srcs = (ctypes.c_uint64 * n)(*[c[1] for c in copies])
+    sizes = (ctypes.c_size_t * n)(*[c[2] for c in copies])
+    attr = _CUmemcpyAttributes(
+        CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        _CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, src_dev),
+        _CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, dst_dev),
+        0,
+    )
+    idx = (ctypes.c_size_t * 1)(0)
+    args = [ctypes.cast(dsts, ctypes.c_void_p), ctypes.cast(srcs, ctypes.c_void_p),
+            ctypes.cast(sizes, ctypes.c_void_p), n, ctypes.cast(ctypes.pointer(attr), ctypes.c_void_p),
+            ctypes.cast(idx, ctypes.c_void_p), 1]
+    if not drv._batch_v2:
+        fail = ctypes.c_size_t(0)
+        args.append(ctypes.cast(ctypes.pointer(fail), ctypes.c_void_p))
+    args.append(ctypes.c_void_p(stream))
+    drv.check("cuMemcpyBatchAsync", drv.cuMemcpyBatchAsync(*args))
+
+
+# An SM copy kernel over all tensors at once (one launch instead of one copy
+# per tensor). Experimental: needs CuPy (NVRTC) in the receiving process.
+_KERNEL_SRC = r"""
+extern "C" __global__ void __launch_bounds__(512)
+sglang_multi_copy(const unsigned long long* __restrict__ tab, const int nchunks) {
+    for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
+        unsigned char* dst = (unsigned char*)tab[3 * c];
+        const unsigned char* src = (const unsigned char*)tab[3 * c + 1];
+        const unsigned long long n = tab[3 * c + 2];
+        const bool aligned = ((((unsigned long long)dst) | ((unsigned long long)src)) & 15ULL) == 0ULL;
+        const unsigned long long nv = aligned ? (n >> 4) : 0ULL;
+        const uint4* s4 = (const uint4*)src;
+        uint4* d4 = (uint4*)dst;
+        const unsigned long long b = blockDim.x;
+        for (unsigned long long i = threadIdx.x; i < nv; i += 4ULL * b) {
+            uint4 r0, r1, r2, r3;
+            r0 = s4[i];
+            if (i + b < nv) r1 = s4[i + b];
+            if (i + 2ULL * b < nv) r2 = s4[i + 2ULL * b];
+            if (i + 3ULL * b < nv) r3 = s4[i + 3ULL * b];
+            d4[i] = r0;
+            if (i + b < nv) d4[i + b] = r1;
+            if (i + 2ULL * b < nv) d4[i + 2ULL * b] = r2;
+            if (i + 3ULL * b < nv) d4[i + 3ULL * b] = r3;
+        }
+        for (unsigned long long i = (nv << 4) + threadIdx.x; i < n; i += b) dst[i] = src[i];
+    }
+}
+"""
+_kernels: Dict[int, Any] = {}
+
+
+def chunk_table(copies, chunk: int = 1 << 20):
+    import numpy as np
+
+    d = np.array([c[0] for c in copies], dtype=np.uint64)
+    s = np.array([c[1] for c in copies], dtype=np.uint64)
+    n = np.array([c[2] for c in copies], dtype=np.uint64)
+    k = (n + np.uint64(chunk - 1)) // np.uint64(chunk)
+    idx = np.repeat(np.arange(len(copies)), k.astype(np.int64))
+    first = np.repeat(np.cumsum(k) - k, k.astype(np.int64))
+    off = (np.arange(int(k.sum()), dtype=np.uint64) - first) * np.uint64(chunk)
+    length = np.minimum(np.uint64(chunk), n[idx] - off)
+    return np.stack([d[idx] + off, s[idx] + off, length], axis=1).astype(np.uint64).ravel()
+
+
+def sm_copy(copies, ordinal: int, stream: int, blocks_per_sm: int = 2, threads: int = 512,
+            chunk: int = 1 << 20, table=None) -> None:
+    """Copy with one kernel launch on ``ordinal`` (peer pointers allowed)."""
+    import cupy as cp
+    import numpy as np
+
+    with cp.cuda.Device(ordinal):
+        k = _kernels.get(ordinal)
+        if k is None:
+            k = _kernels[ordinal] = cp.RawKernel(_KERNEL_SRC, "sglang_multi_copy")
+        tab = chunk_table(copies, chunk) if table is None else table
+        nchunks = len(tab) // 3
+        import torch
+
+        grid = max(1, min(nchunks, torch.cuda.get_device_properties(ordinal).multi_processor_count * blocks_per_sm))
+        with cp.cuda.ExternalStream(stream, ordinal):
+            tab_dev = cp.asarray(tab)
+            k((grid,), (threads,), (tab_dev, np.int32(nchunks)))
+            # keep the table alive until the kernel ran
+            cp.cuda.get_current_stream().synchronize()
 
 
 _driver: Optional[_Driver] = None
@@ -304,6 +435,8 @@ class FetchInfo:
     bytes: int = 0
     copies: int = 0
     streams: int = 0
+    engine: str = ""
+    method: str = ""
     opened: int = 0
     reused: int = 0
     open_seconds: float = 0.0
@@ -322,13 +455,25 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
         self._senders: List[str] = []  # oldest first
         self._fetches = 0
         self._streams: Dict[Tuple[int, int], list] = {}
-        self.nstreams = int(os.environ.get("SGLANG_RDT_IPC_STREAMS", "4"))
+        self.nstreams = int(os.environ.get("SGLANG_RDT_IPC_STREAMS", "1"))
         self.engine = os.environ.get("SGLANG_RDT_IPC_ENGINE", "dst")
+        # batch: one cuMemcpyBatchAsync per stream (CUDA 12.8+ driver; falls
+        # back to ce once if the driver refuses); ce: one cuMemcpyAsync per
+        # tensor; kernel: one SM copy kernel (experimental, needs CuPy)
+        self.method = os.environ.get("SGLANG_RDT_IPC_METHOD", "batch")
         self.nixl_fallback = os.environ.get("SGLANG_RDT_IPC_NIXL_FALLBACK", "1") != "0"
         self.cache_mappings = True
         self.last: Optional[FetchInfo] = None
+        self.recent: "OrderedDict[str, FetchInfo]" = OrderedDict()  # by object id
         self.counts = {"cuda_ipc": 0, "nixl": 0}
         self._warned: set = set()
+        self._node_id: Optional[str] = None
+        self._ordinals: Dict[str, Optional[int]] = {}
+
+    def _ordinal(self, uuid_str: str) -> Optional[int]:
+        if uuid_str not in self._ordinals:
+            self._ordinals[uuid_str] = local_ordinal_of(uuid_str)
+        return self._ordinals[uuid_str]
 
     # -- Ray's interface ---------------------------------------------------- #
     def tensor_transport_backend(self) -> str:
@@ -424,6 +569,8 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
     def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None):
         meta = tensor_transport_metadata
         assert isinstance(meta, SglangIpcTransportMetadata), type(meta)
+        if not meta.tensor_meta:
+            return []
         t0 = time.perf_counter()
         why = self._ipc_unusable(meta, target_buffers)
         if why is None:
@@ -479,9 +626,11 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
             return meta.ipc_unavailable or "the sender put no CUDA IPC handles"
         if not torch.cuda.is_available():
             return "no CUDA device in this process"
-        if ray.get_runtime_context().get_node_id() != meta.ipc.node_id:
+        if self._node_id is None:
+            self._node_id = ray.get_runtime_context().get_node_id()
+        if self._node_id != meta.ipc.node_id:
             return "the sender is on another node"
-        if local_ordinal_of(meta.ipc.device_uuid) is None:
+        if self._ordinal(meta.ipc.device_uuid) is None:
             return (
                 f"the sender's GPU {meta.ipc.device_uuid} is not visible here (set "
                 "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 for the receiving actors)"
@@ -516,11 +665,12 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
             raise ValueError(
                 f"Length of tensor_buffers ({len(tensors)}) does not match length from object metadata ({len(ipc.tensors)})."
             )
+        check_contiguous = not targets  # Ray already checked given targets (shape, dtype, contiguity)
         for i, (t, (_, _, nbytes)) in enumerate(zip(tensors, ipc.tensors)):
-            if not t.is_contiguous() or t.numel() * t.element_size() != nbytes:
+            if t.nbytes != nbytes or (check_contiguous and not t.is_contiguous()):
                 raise ValueError(f"target buffer {i} is not a contiguous buffer of {nbytes} bytes")
         dst_ord = tensors[0].device.index
-        src_ord = local_ordinal_of(ipc.device_uuid)
+        src_ord = self._ordinal(ipc.device_uuid)
         engine_ord = src_ord if self.engine == "src" else dst_ord
         info.tensors, info.bytes = len(tensors), sum(n for _, _, n in ipc.tensors)
 
@@ -541,6 +691,7 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
             streams = self._streams_for(engine_ord)
             queues = spread(copies, len(streams))
             info.copies, info.streams = len(copies), len(queues)
+            info.engine, info.method = self.engine, self.method
             t1 = time.perf_counter()
             # The copies start after what the receiver already queued on its
             # device (same-process events: safe even across GPUs).
@@ -551,6 +702,18 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
                 for q, s in zip(queues, streams):
                     s.wait_event(ready)
                     h = s.cuda_stream
+                    if self.method == "kernel":
+                        sm_copy(q, engine_ord, h)
+                        continue
+                    if self.method == "batch":
+                        try:
+                            memcpy_batch_async(drv, q, h, src_ord, dst_ord)
+                            continue
+                        except CudaDriverError as e:
+                            # Validation failed before anything was queued;
+                            # the copies are idempotent anyway.
+                            logger.warning("[RDT] cuMemcpyBatchAsync refused (%s): one copy per tensor from now on", e)
+                            self.method = info.method = "ce"
                     for dst, src, n in q:
                         drv.memcpy_async(dst, src, n, h)
             finally:
@@ -634,6 +797,9 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
 
     def _done(self, info: FetchInfo) -> None:
         self.last = info
+        self.recent[info.obj_id] = info
+        while len(self.recent) > 256:
+            self.recent.popitem(last=False)
         self.counts[info.path] = self.counts.get(info.path, 0) + 1
 
     def mapping_stats(self) -> Dict[str, Any]:
@@ -689,6 +855,12 @@ def transport() -> SglangIpcTransport:
 def last_fetch() -> Optional[FetchInfo]:
     """What the last fetch in this process did (path, reason, timings)."""
     return transport().last
+
+
+def fetch_info(ref) -> Optional[FetchInfo]:
+    """What the fetch of ``ref`` (an ObjectRef or its hex id) did in this process."""
+    key = ref if isinstance(ref, str) else ref.hex()
+    return transport().recent.get(key)
 
 
 def close_ipc_mappings() -> int:

@@ -43,6 +43,21 @@ from sglang.srt.ray.rdt.plan import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_PULL_TIMEOUT_S = 60.0
+# NIXL, and the same-node CUDA IPC transport (which falls back to NIXL itself).
+PULLABLE_TRANSPORTS = ("NIXL", "SGLANG_IPC")
+
+
+def transport_used(ref) -> str:
+    """Which path a finished fetch of ``ref`` took: nixl | cuda_ipc | ..."""
+    meta = _rdt_manager().get_rdt_metadata(ref.hex())
+    backend = (meta.tensor_transport_backend if meta else "nixl").upper()
+    if backend == "SGLANG_IPC":
+        from sglang.srt.ray.rdt import cuda_ipc_transport
+
+        info = cuda_ipc_transport.fetch_info(ref)
+        if info is not None:
+            return info.path if not info.reason else f"{info.path} ({info.reason})"
+    return backend.lower()
 
 
 def _rdt_manager():
@@ -68,10 +83,11 @@ def ref_tensor_specs(ref, timeout_s: float) -> List[TensorSpec]:
             f"{ref} is not an RDT object: put it with "
             "ray.put(tensors, _tensor_transport='nixl')"
         )
-    if meta.tensor_transport_backend.upper() != "NIXL":
+    if meta.tensor_transport_backend.upper() not in PULLABLE_TRANSPORTS:
         raise WeightSyncError(
             f"{ref} uses tensor transport {meta.tensor_transport_backend!r}; "
-            "pull_weights needs 'nixl'"
+            "pull_weights needs 'nixl' (or 'SGLANG_IPC', the same-node CUDA IPC "
+            "fast path of sglang.srt.ray.rdt.cuda_ipc_transport)"
         )
     transport_meta = meta.tensor_transport_meta
     if transport_meta is None:
@@ -129,6 +145,13 @@ def warn_if_expandable_segments(tensors, snapshot=None, *, once: bool = True) ->
         )
         return True
     return False
+
+
+def close_cached_mappings() -> int:
+    import sys
+
+    mod = sys.modules.get("sglang.srt.ray.rdt.cuda_ipc_transport")
+    return mod.close_ipc_mappings() if mod is not None else 0
 
 
 class RegistrationBook:
@@ -282,10 +305,16 @@ class RdtWeightReceiver:
                 )
 
     def close(self) -> None:
-        """Release registrations and refuse later pulls."""
+        """Release registrations (and cached IPC mappings); refuse later pulls."""
         self.deregister()
         with self._lock:
             self._closed = True
+        close_cached_mappings()
+
+    def end_of_update(self) -> None:
+        """An update is over: the trainer may now free or re-use what it put,
+        so no cached mapping of its memory may be written from again."""
+        close_cached_mappings()
 
     @property
     def registered(self) -> bool:
@@ -388,6 +417,7 @@ class RdtWeightReceiver:
                     f"complete update is finalized. Cause: {type(e).__name__}: {e}"
                 ) from e
             t_fetch = time.perf_counter() - t1
+            transports = sorted({transport_used(r) for r in refs})
             self._verify_in_place(results, targets, names)
             del results
             seconds = time.perf_counter() - t0
@@ -400,7 +430,7 @@ class RdtWeightReceiver:
             "plan_seconds": t_plan,
             "gbps": nbytes / t_fetch / 1e9 if t_fetch > 0 else float("inf"),
             "refs": len(refs),
-            "transport": "nixl",
+            "transport": ",".join(transports),
             "registered": self.registered,
         }
         self.stats["pulls"] += 1
@@ -409,8 +439,8 @@ class RdtWeightReceiver:
         self.stats["seconds"] += seconds
         self.stats["last_pull"] = stats
         logger.info(
-            "[RDT] pulled %d tensors, %.1f MiB in %.3f s (%.2f GB/s, transport=nixl, registered=%s)",
-            ntensors, nbytes / 2**20, t_fetch, stats["gbps"], self.registered,
+            "[RDT] pulled %d tensors, %.1f MiB in %.3f s (%.2f GB/s, transport=%s, registered=%s)",
+            ntensors, nbytes / 2**20, t_fetch, stats["gbps"], stats["transport"], self.registered,
         )
         return stats
 

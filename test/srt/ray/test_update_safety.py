@@ -1,0 +1,182 @@
+"""Update safety on a real server: no torn weights, broken transfers, lifecycle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import requests
+
+from conftest import live_actors, live_placement_groups, start_server, wait_until
+from rdt_actors import ToyTrainer
+from test_weight_sync_e2e import PROMPT, run_trainer_job
+from tiny_model import hf_greedy, random_state_dict
+
+pytestmark = pytest.mark.slow
+
+RDT_ARGS = ["--backend", "ray", "--enable-rdt-weight-sync"]
+
+
+def _server_args(head, *extra):
+    return [*RDT_ARGS, "--ray-namespace", head.namespace, *extra]
+
+
+def test_generation_never_sees_torn_weights_during_syncs(launch_server, tiny_model, ray_head):
+    server = launch_server(_server_args(ray_head))
+    n = 10
+    refs = {
+        "old": hf_greedy(tiny_model, PROMPT, n),
+        "A": hf_greedy(tiny_model, PROMPT, n, random_state_dict(tiny_model, 11)),
+        "B": hf_greedy(tiny_model, PROMPT, n, random_state_dict(tiny_model, 12)),
+    }
+    assert len({tuple(v) for v in refs.values()}) == 3
+    outputs, errors = [], []
+    stop = threading.Event()
+
+    def hammer():
+        deadline = time.monotonic() + 600
+        while not stop.is_set() and time.monotonic() < deadline and len(outputs) < 2000:
+            try:
+                outputs.append(tuple(server.output_ids(PROMPT, n)))
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        for seed, version in [(11, "A1"), (12, "B1"), (11, "A2")]:
+            run_trainer_job(ray_head, server, tiny_model, seed=seed, version=version)
+            time.sleep(1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors[:3]
+    allowed = {tuple(v): k for k, v in refs.items()}
+    seen = {allowed.get(o, "TORN") for o in outputs}
+    assert "TORN" not in seen, f"{sum(o not in allowed for o in outputs)} outputs match no version"
+    assert {"old", "A", "B"} <= seen, seen  # the hammer really spanned the syncs
+    assert server.output_ids(PROMPT, n) == refs["A"]
+
+
+def _put_buckets(ray, layouts, state, chunks):
+    import torch
+
+    trainers, refs = [], []
+    for chunk in chunks:
+        tr = ToyTrainer.remote()
+        tensors = [state[n].to(getattr(torch, layouts[n]["dtype"])).contiguous() for n in chunk]
+        refs.append(ray.get(tr.put.remote(tensors))[0])
+        trainers.append(tr)
+    return trainers, refs
+
+
+def test_broken_transfer_is_reported_until_a_complete_update_lands(
+    launch_server, tiny_model, ray_head, ray_client
+):
+    ray = ray_client
+    server = launch_server(_server_args(ray_head))
+    (info,) = live_actors(ray)
+    actor = ray.get_actor(info["Name"], namespace=ray_head.namespace)
+    layouts = ray.get(actor.get_parameter_layout.remote())
+    names = list(layouts)
+    chunks = [names[::2], names[1::2]]
+    old_ids = server.output_ids(PROMPT, 12)
+    version0 = server.generate(PROMPT, 4)["meta_info"]["weight_version"]
+
+    # Bucket 2's trainer dies before the pull: bucket 1 lands, bucket 2 cannot.
+    trainers, refs = _put_buckets(ray, layouts, random_state_dict(tiny_model, 21), chunks)
+    begin = requests.post(f"{server.url}/weight_sync/begin", json={"lease_s": 8}, timeout=60).json()
+    ray.kill(trainers[1])
+    time.sleep(1)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="inconsistent"):
+        ray.get(actor.pull_weights.remote(refs, chunks, 15), timeout=120)
+    assert time.monotonic() - t0 < 60
+    status = ray.get(actor.get_weight_sync_status.remote())
+    assert status["weights_consistent"] is False
+
+    # The trainer never ends the session: the lease expires, serving resumes,
+    # the version is unchanged, and the engine reports the inconsistency.
+    r = requests.post(f"{server.url}/weight_sync/end",
+                      json={"weight_version": "never", "session_id": "not-it"}, timeout=30)
+    assert r.status_code == 409 and "not the open one" in r.json()["message"]
+    wait_until(
+        lambda: not requests.get(f"{server.url}/weight_sync/status", timeout=30).json()["update_open"],
+        60, what="the lease to expire",
+    )
+    res = server.generate(PROMPT, 12)
+    assert res["meta_info"]["weight_version"] == version0
+    assert res["output_ids"] != old_ids  # half of the new weights did land
+    info_json = requests.get(f"{server.url}/server_info", timeout=30).json()
+    ws = info_json["weight_sync"]
+    assert ws["weights_consistent"] is False and ws["inconsistent_reason"]
+    assert ws["weight_version"] is None or ws["weight_version"] == version0
+    late = requests.post(f"{server.url}/weight_sync/end", json={"session_id": begin["session_id"]}, timeout=30)
+    assert late.status_code == 409
+
+    # The next complete update succeeds and clears the state.
+    out = run_trainer_job(ray_head, server, tiny_model, seed=22, version="fixed")
+    assert out["status"][0]["weights_consistent"] is True
+    ws = requests.get(f"{server.url}/server_info", timeout=30).json()["weight_sync"]
+    assert ws["weights_consistent"] is True and ws["weight_version"] == "fixed"
+    assert server.output_ids(PROMPT, 12) == hf_greedy(
+        tiny_model, PROMPT, 12, random_state_dict(tiny_model, 22))
+    ray.kill(trainers[0])
+
+
+def test_pull_after_engine_shutdown_is_refused(launch_server, tiny_model, ray_head, ray_client):
+    ray = ray_client
+    server = launch_server(_server_args(ray_head))
+    (info,) = live_actors(ray)
+    actor = ray.get_actor(info["Name"], namespace=ray_head.namespace)
+    assert server.terminate() == 0
+    with pytest.raises(Exception) as e:
+        ray.get(actor.pull_weights.remote([], []), timeout=30)
+    assert "RayActorError" in type(e.value).__name__ or "died" in str(e.value).lower()
+    wait_until(lambda: not live_actors(ray), 30, what="detached actors removed on shutdown")
+    assert "[RDT] released" in server.log() or "released 0" not in server.log()
+
+
+def _our_leftovers(ray):
+    return live_actors(ray), live_placement_groups(ray)
+
+
+CYCLES = int(os.environ.get("SGLANG_TEST_LIFECYCLE_CYCLES", "20"))
+
+
+def test_start_stop_cycles_with_kills_leave_nothing_behind(tiny_model, ray_head, ray_client, tmp_path):
+    """Restarts on one port after SIGTERM, SIGINT and SIGKILL of the launcher."""
+    ray = ray_client
+    port = None
+    from conftest import free_port
+
+    port = free_port()
+    boot = str(free_port())
+    kinds = [("SIGKILL" if i % 3 == 2 else "SIGINT" if i % 3 == 1 else "SIGTERM") for i in range(CYCLES)]
+    for i, kind in enumerate(kinds):
+        server = start_server(
+            tiny_model, ray_head,
+            _server_args(ray_head, "--engine-info-bootstrap-port", boot),
+            tmp_path, port=port, env={"SGLANG_RAY_OWNER_CHECK_INTERVAL": "1"},
+        )
+        try:
+            assert len(server.output_ids(PROMPT, 2)) == 2
+            if kind == "SIGKILL":
+                # Kill the launcher and its children (as an OOM killer would).
+                os.killpg(server.proc.pid, signal.SIGKILL)
+                server.proc.wait(timeout=30)
+            else:
+                server.proc.send_signal(getattr(signal, kind))
+                assert server.proc.wait(timeout=120) in (0, -2, 130, 1), server.log()[-2000:]
+        finally:
+            server.terminate(timeout=10)
+        # Orphaned detached actors notice their launcher is gone and exit.
+        wait_until(lambda: _our_leftovers(ray) == ([], []), 60,
+                   what=f"no actors/placement groups after cycle {i} ({kind})")
+    assert _our_leftovers(ray) == ([], [])

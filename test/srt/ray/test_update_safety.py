@@ -135,12 +135,15 @@ def test_pull_after_engine_shutdown_is_refused(launch_server, tiny_model, ray_he
     server = launch_server(_server_args(ray_head))
     (info,) = live_actors(ray)
     actor = ray.get_actor(info["Name"], namespace=ray_head.namespace)
+    n = ray.get(actor.register_weight_for_rdt.remote(), timeout=60)["registrations"]
+    assert n > 0
     assert server.terminate() == 0
     with pytest.raises(Exception) as e:
         ray.get(actor.pull_weights.remote([], []), timeout=30)
     assert "RayActorError" in type(e.value).__name__ or "died" in str(e.value).lower()
     wait_until(lambda: not live_actors(ray), 30, what="detached actors removed on shutdown")
-    assert "[RDT] released" in server.log() or "released 0" not in server.log()
+    # The registrations were released before the actor was killed.
+    assert f"[RDT] released {n} NIXL registrations" in server.log()
 
 
 def _our_leftovers(ray):
@@ -150,12 +153,12 @@ def _our_leftovers(ray):
 CYCLES = int(os.environ.get("SGLANG_TEST_LIFECYCLE_CYCLES", "20"))
 
 
+@pytest.mark.timeout(180 * CYCLES)
 def test_start_stop_cycles_with_kills_leave_nothing_behind(tiny_model, ray_head, ray_client, tmp_path):
     """Restarts on one port after SIGTERM, SIGINT and SIGKILL of the launcher."""
-    ray = ray_client
-    port = None
     from conftest import free_port
 
+    ray = ray_client
     port = free_port()
     boot = str(free_port())
     kinds = [("SIGKILL" if i % 3 == 2 else "SIGINT" if i % 3 == 1 else "SIGTERM") for i in range(CYCLES)]

@@ -53,10 +53,12 @@ def test_series_applies_and_version_is_local(cfg, tmp_path):
 def test_corrupted_patch_fails_naming_the_patch(cfg, tmp_path):
     patches = _copy_patches(tmp_path)
     victim = (patches / "series").read_text().split()[-1]
-    text = (patches / victim).read_text()
-    # Change a context line so the hunk no longer matches upstream.
-    broken = text.replace("\n     ", "\n     # not upstream\n ", 1)
-    assert broken != text
+    lines = (patches / victim).read_text().split("\n")
+    # Change the first context line of the first hunk: it no longer matches upstream.
+    first_hunk = next(i for i, l in enumerate(lines) if l.startswith("@@"))
+    ctx = next(i for i in range(first_hunk + 1, len(lines)) if lines[i].startswith(" "))
+    lines[ctx] = " # this line is not in upstream"
+    broken = "\n".join(lines)
     (patches / victim).write_text(broken)
     cfg.patches_dir = patches
     with pytest.raises(fork_build.ForkBuildError, match=f"patch {victim} does not apply"):

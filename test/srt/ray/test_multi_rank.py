@@ -21,6 +21,8 @@ def test_dp2_each_rank_found_configured_and_updated(launch_server, tiny_model, r
         ["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", ray_head.namespace,
          "--dp-size", "2"],
         env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"},
+        # Each rank is pinned to one of the two cores: slow on a loaded box.
+        timeout=600,
     )
     names = sorted(a["Name"] for a in live_actors(ray_client))
     assert len(names) == 2

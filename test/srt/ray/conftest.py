@@ -230,7 +230,7 @@ def start_server(
     log_dir: Path,
     *,
     wait_healthy: bool = True,
-    timeout: float = 240,
+    timeout: float = 480,  # generous: a loaded 2-core box starts slowly
     env: Optional[Dict[str, str]] = None,
     port: Optional[int] = None,
 ) -> Server:

@@ -21,3 +21,6 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest test/srt/ray -m "not slow" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py

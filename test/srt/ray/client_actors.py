@@ -12,6 +12,7 @@ pull started and ended.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Dict, List, Optional
 
@@ -44,6 +45,8 @@ class FakeRank:
         self.delay_s = delay_s
         self.fail = fail
         self.pulls: List[Dict[str, Any]] = []
+        # A SchedulerActor runs pulls one at a time (at its scheduler's safe point).
+        self.pull_lock = threading.Lock()
         self.finalized: List[Optional[str]] = []
         self.aborts: List[str] = []
 
@@ -68,15 +71,16 @@ class FakeRank:
         return {"rank": self.rank, "tp_rank": 0, "tp_size": 1, "dp_rank": self.rank, "device": "cpu"}
 
     def pull_weights(self, refs, names, timeout=None):
-        start = time.time()
-        # The bucket is read only after this sleep: if the client wrote the
-        # next bucket into the same buffer meanwhile, the wrong bytes land.
-        time.sleep(self.delay_s)
-        if self.fail:
-            raise WeightSyncError(self.fail)
-        stats = self.receiver.pull(refs, names, timeout)
-        self.pulls.append({"names": list(names), "start": start, "end": time.time()})
-        return stats
+        with self.pull_lock:
+            start = time.time()
+            # The bucket is read only after this sleep: if the client wrote the
+            # next bucket into the same buffer meanwhile, the wrong bytes land.
+            time.sleep(self.delay_s)
+            if self.fail:
+                raise WeightSyncError(self.fail)
+            stats = self.receiver.pull(refs, names, timeout)
+            self.pulls.append({"names": list(names), "start": start, "end": time.time()})
+            return stats
 
     def finalize_weight_update(self, weight_version=None, flush_cache=True):
         self.finalized.append(weight_version)
@@ -113,3 +117,17 @@ class SpySender(BucketSender):
 
     def fill_log(self):
         return self.fills
+
+
+@ray.remote(num_cpus=0)
+class MetricsProbe:
+    """Records weight-sync metrics in a Ray worker, as a SchedulerActor would."""
+
+    def record(self, labels: Dict[str, Any]) -> bool:
+        from sglang.srt.ray.rdt import metrics
+
+        metrics.configure(True, labels)
+        metrics.record_pull({"bytes": 4096, "tensors": 3, "seconds": 0.02})
+        metrics.record_update(0.5)
+        metrics.record_failure("transfer")
+        return metrics.enabled()

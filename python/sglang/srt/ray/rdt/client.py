@@ -13,7 +13,7 @@ caller only hands over tensors::
     client = WeightSyncClient.connect(
         port=30000,                   # the engine's --port
         namespace="rollout",          # the engine's --ray-namespace
-        node_ip="10.0.0.5",           # node of the engine's rank 0
+        host="10.0.0.5",              # its HTTP host = node of its rank 0
         dp_size=2,                    # the engine's layout
     )
     client.register()                 # pin the engine's parameters with NIXL, once
@@ -53,6 +53,7 @@ take the same tensors (DP replicas of one TP shard) so they share buckets.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -182,7 +183,7 @@ class UpdateStats:
             f"rank{'s' if self.ranks != 1 else ''} in {len(self.buckets)} bucket"
             f"{'s' if len(self.buckets) != 1 else ''}: transfer {self.transfer_seconds:.3f} s "
             f"({self.gbps:.3f} GB/s), update {self.seconds:.3f} s, "
-            f"weight_version={self.version}"
+            f"transport=nixl, weight_version={self.version}"
         )
 
 
@@ -323,11 +324,12 @@ class WeightSyncClient:
         import ray
 
         if not ray.is_initialized():
-            if address is None:
+            address = address or os.environ.get("RAY_ADDRESS")
+            if not address:
                 raise WeightSyncError(
                     "this process is not connected to Ray: call ray.init(address=...) "
-                    "first or pass address= (and set RAY_AUTH_MODE=token for a head "
-                    "started with `ray start`)"
+                    "first, or pass address= / set RAY_ADDRESS (and RAY_AUTH_MODE=token "
+                    "for a head started with `ray start`)"
                 )
             ray.init(address=address, log_to_driver=False, logging_level="ERROR")
         if node_ip is None:
@@ -423,8 +425,6 @@ class WeightSyncClient:
     # The sender
     # ------------------------------------------------------------------ #
     def _sender_handle(self):
-        import ray
-
         if self._sender is None:
             options = {"num_cpus": 0, **self._sender_options}
             if self.device.startswith("cuda"):
@@ -522,7 +522,12 @@ class WeightSyncClient:
         elif self.engine is not None:
             self.engine.abort_weight_sync(reason)
         else:
-            self._call_all("abort_weight_update", reason)
+            # Best effort on every rank: a dead rank must not keep the live
+            # ones from closing their session.
+            try:
+                self._call_all("abort_weight_update", reason)
+            except WeightSyncRankError as e:
+                logger.error("[RDT] abort did not reach every rank: %s", e)
 
     # ------------------------------------------------------------------ #
     # Update
@@ -589,8 +594,6 @@ class WeightSyncClient:
             self._busy.release()
 
     def _update(self, named_tensors, version, bucket_bytes, strict, flush_cache, progress):
-        import ray
-
         t_call = time.perf_counter()
         version = None if version is None else str(version)
         payloads, groups = self._payloads(named_tensors)

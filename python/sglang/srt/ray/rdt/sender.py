@@ -223,11 +223,6 @@ class BucketSender:
     def in_flight(self) -> List[Optional[str]]:
         return list(self._in_flight)
 
-    def read(self, slot: int, offset: int, nbytes: int) -> bytes:
-        """A copy of a slot's bytes (for tests and debugging)."""
-        self._check_slot(slot)
-        return bytes(self._slots[slot][offset : offset + nbytes].cpu().numpy().tobytes())
-
     def state(self) -> Dict[str, Any]:
         return {
             "device": str(self._device),

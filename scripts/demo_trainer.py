@@ -145,7 +145,7 @@ def main() -> int:
             dict(model.named_parameters()), version=f"v{i}", strict=True, progress=progress
         )
         print(f"    synced  {stats.tensors} tensors, {stats.bytes / 2**20:.2f} MiB in "
-              f"{stats.transfer_seconds:.3f} s ({stats.gbps:.3f} GB/s) over "
+              f"{stats.transfer_seconds:.3f} s ({stats.gbps:.4f} GB/s) over "
               f"{len(stats.buckets)} buckets; whole update incl. pause/finalize "
               f"{stats.seconds:.3f} s", flush=True)
         ids, text, version = rollout()

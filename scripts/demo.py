@@ -17,23 +17,28 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
-import psutil
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "test" / "srt" / "ray"
 sys.path.insert(0, str(TESTS))
+# The process plumbing the test suite uses too: Ray head, health wait, stop by pid.
+from ray_harness import (  # noqa: E402
+    CPU_SERVER_ARGS,
+    RayHead,
+    free_port,
+    processes_with,
+    wait_healthy,
+)
 # Keep the demo's output to the story: no progress bars or import warnings
 # from the libraries (the server's own log goes to a file).
 QUIET_ENV = {
@@ -47,11 +52,6 @@ os.environ.update(QUIET_ENV)
 NAMESPACE = "rdt-demo"
 SERVER_TIMEOUT_S = 420
 TRAINER_TIMEOUT_S = 300
-CPU_SERVER_ARGS = [
-    "--device", "cpu", "--model-impl", "transformers", "--attention-backend", "torch_native",
-    "--disable-cuda-graph", "--max-total-tokens", "4096", "--dtype", "float32",
-    "--host", "127.0.0.1",
-]
 T0 = time.monotonic()
 TOTAL_STEPS = 5
 
@@ -64,78 +64,27 @@ def step(n: int, text: str) -> None:
     say(f"[{n}/{TOTAL_STEPS}] {text}  (t+{time.monotonic() - T0:.0f} s)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def processes_with(marker: str) -> List[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return out
-
-
-def stop_processes(procs: List[psutil.Process], timeout: float = 15) -> None:
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=timeout)
-
-
 class Demo:
     def __init__(self, keep_logs: bool):
         self.keep_logs = keep_logs
         self.work = Path(tempfile.mkdtemp(prefix="rdt_demo_"))
-        # Short: Ray puts unix sockets under it (108-byte path limit).
-        self.ray_dir = tempfile.mkdtemp(prefix="rdd_", dir="/tmp")
-        self.ray_port = free_port()
-        self.address = f"127.0.0.1:{self.ray_port}"
-        self.token = secrets.token_hex(32)
+        self.head: Optional[RayHead] = None
         self.port = free_port()
         self.server: Optional[subprocess.Popen] = None
         self.trainer: Optional[subprocess.Popen] = None
         self.server_log = self.work / "server.log"
         self.go_file = self.work / "engine-ready"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        # Ray 2.60 heads use token auth; every process that joins needs these.
-        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
-        self.env = env
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
 
     # ------------------------------------------------------------------ #
-    def start_ray_head(self) -> subprocess.Popen:
-        step(1, f"starting a private Ray head at {self.address} (temp dir {self.ray_dir})")
-        cmd = [
-            str(Path(sys.executable).parent / "ray"), "start", "--head",
-            "--node-ip-address=127.0.0.1", f"--port={self.ray_port}",
-            "--num-cpus=4", "--num-gpus=0", "--include-dashboard=false",
-            "--disable-usage-stats", f"--temp-dir={self.ray_dir}",
-        ]
-        return subprocess.Popen(
-            cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+    def start_ray_head(self) -> None:
+        self.head = RayHead.launch(num_cpus=4, namespace=NAMESPACE)
+        step(1, f"starting a private Ray head at {self.head.address} (temp dir {self.head.temp_dir})")
+        # Ray 2.60 heads use token auth; every process that joins needs it.
+        self.env.update({k: v for k, v in self.head.env.items() if k != "RAY_ADDRESS"})
 
-    def wait_ray_head(self, proc: subprocess.Popen) -> None:
-        try:
-            out, _ = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise TimeoutError("`ray start` did not finish within 120 s")
-        if proc.returncode != 0:
-            raise RuntimeError(f"ray start failed:\n{out}")
+    def wait_ray_head(self) -> None:
+        self.head.wait(timeout=120)
         say(f"      Ray head up (t+{time.monotonic() - T0:.0f} s)")
 
     def build_model(self) -> Path:
@@ -171,33 +120,28 @@ class Demo:
         with open(self.server_log, "wb") as log:
             self.server = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT,
-                env={**self.env, "RAY_ADDRESS": self.address}, start_new_session=True,
+                env={**self.env, "RAY_ADDRESS": self.head.address}, start_new_session=True,
             )
         self.start_trainer(model)
         tty = sys.stdout.isatty()
-        started, last_note = time.monotonic(), 0.0
-        while True:
-            waited = time.monotonic() - started
-            if self.server.poll() is not None:
-                raise RuntimeError(
-                    f"the server exited with {self.server.returncode}; log:\n{self.tail()}"
-                )
-            try:
-                if requests.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if waited > SERVER_TIMEOUT_S:
-                raise TimeoutError(f"server not healthy after {SERVER_TIMEOUT_S} s; log:\n{self.tail()}")
+        notes = {"last": 0.0}
+
+        def progress(waited: float) -> None:
             if tty:
                 print(f"\r      waiting for /health ... {waited:.0f} s", end="", flush=True)
-            elif waited - last_note >= 10:
+            elif waited - notes["last"] >= 10:
                 say(f"      waiting for /health ... {waited:.0f} s")
-                last_note = waited
-            time.sleep(1)
-        if tty:
-            print()
-        say(f"      engine healthy after {time.monotonic() - started:.0f} s: "
+                notes["last"] = waited
+
+        try:
+            waited = wait_healthy(
+                self.server, f"http://127.0.0.1:{self.port}", SERVER_TIMEOUT_S,
+                log=self.tail, on_wait=progress,
+            )
+        finally:
+            if tty:
+                print()
+        say(f"      engine healthy after {waited:.0f} s: "
             f"http://127.0.0.1:{self.port} (log: {self.server_log})")
 
     def start_trainer(self, model: Path) -> None:
@@ -205,7 +149,7 @@ class Demo:
         the engine starts, then waits for the go file (see :meth:`run_trainer`)."""
         cmd = [
             sys.executable, str(REPO / "scripts" / "demo_trainer.py"),
-            "--address", self.address, "--namespace", NAMESPACE,
+            "--address", self.head.address, "--namespace", NAMESPACE,
             "--port", str(self.port), "--model", str(model), "--syncs", "3",
             "--go-file", str(self.go_file),
         ]
@@ -250,11 +194,12 @@ class Demo:
                 os.killpg(self.server.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        stop_processes(processes_with(self.ray_dir))
-        left = processes_with(self.ray_dir)
+        left = []
+        if self.head is not None:
+            self.head.stop()
+            left += self.head.processes()
         if self.server is not None:
-            left += [p for p in processes_with(f"--port {self.port}")]
-        shutil.rmtree(self.ray_dir, ignore_errors=True)
+            left += processes_with(f"--port {self.port}")
         if self.keep_logs or keep_logs:
             say(f"      logs kept in {self.work}")
         else:
@@ -262,7 +207,8 @@ class Demo:
         if left:
             say(f"      still running: {[(p.pid, ' '.join(p.cmdline())[:80]) for p in left]}")
             return False
-        say(f"      nothing left running (Ray head {self.address}, engine port {self.port}).")
+        where = f"Ray head {self.head.address}, " if self.head else ""
+        say(f"      nothing left running ({where}engine port {self.port}).")
         return True
 
 
@@ -280,9 +226,9 @@ def main() -> int:
     demo = Demo(args.keep_logs)
     ok = False
     try:
-        head = demo.start_ray_head()
+        demo.start_ray_head()
         model = demo.build_model()  # while the head starts
-        demo.wait_ray_head(head)
+        demo.wait_ray_head()
         demo.start_server(model)  # returns once /health answers; the trainer
         demo.run_trainer()  # was started meanwhile (see start_trainer)
         ok = True

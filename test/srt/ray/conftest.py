@@ -12,19 +12,14 @@
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import psutil
 import pytest
 import requests
 
@@ -36,96 +31,15 @@ os.environ["RAY_AUTH_MODE"] = "token"
 
 from tiny_model import build_tiny_model  # noqa: E402
 
-CPU_SERVER_ARGS = [
-    "--device", "cpu",
-    "--model-impl", "transformers",
-    "--attention-backend", "torch_native",
-    "--disable-cuda-graph",
-    "--max-total-tokens", "4096",
-    "--dtype", "float32",  # the HF reference runs in float32 too
-    "--host", "127.0.0.1",
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pids_with(marker: str) -> List[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return out
-
-
-def kill_pids(procs: List[psutil.Process], timeout: float = 15) -> None:
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=timeout)
-
-
-@dataclass
-class RayHead:
-    address: str
-    temp_dir: str
-    token: str
-    namespace: str
-    num_cpus: int
-
-    @property
-    def env(self) -> Dict[str, str]:
-        """Environment for any process that joins this cluster."""
-        return {
-            "RAY_ADDRESS": self.address,
-            "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": self.token,
-        }
-
-    def stop(self) -> None:
-        kill_pids(_pids_with(self.temp_dir))
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-def start_ray_head(num_cpus: int = 8, namespace: str = "sglang-test") -> RayHead:
-    port = free_port()
-    # Short: Ray puts unix sockets under it (108-byte path limit).
-    temp_dir = tempfile.mkdtemp(prefix="rt_", dir="/tmp")
-    head = RayHead(
-        address=f"127.0.0.1:{port}",
-        temp_dir=temp_dir,
-        token=secrets.token_hex(32),
-        namespace=namespace,
-        num_cpus=num_cpus,
-    )
-    env = {**os.environ, **head.env}
-    env.pop("RAY_ADDRESS")
-    cmd = [
-        str(Path(sys.executable).parent / "ray"), "start", "--head",
-        "--node-ip-address=127.0.0.1", f"--port={port}",
-        f"--num-cpus={num_cpus}", "--num-gpus=0",
-        "--include-dashboard=false", "--disable-usage-stats",
-        f"--temp-dir={temp_dir}",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        head.stop()
-        raise RuntimeError(f"ray start failed:\n{proc.stdout}\n{proc.stderr}")
-    return head
+from ray_harness import (  # noqa: E402,F401  (re-exported for the tests)
+    CPU_SERVER_ARGS,
+    RayHead,
+    free_port,
+    processes_with,
+    start_ray_head,
+    stop_processes,
+    wait_healthy,
+)
 
 
 @pytest.fixture(scope="session")
@@ -229,7 +143,7 @@ def start_server(
     extra_args: List[str],
     log_dir: Path,
     *,
-    wait_healthy: bool = True,
+    wait: bool = True,
     timeout: float = 480,  # generous: a loaded 2-core box starts slowly
     env: Optional[Dict[str, str]] = None,
     port: Optional[int] = None,
@@ -254,22 +168,12 @@ def start_server(
             start_new_session=True,
         )
     server = Server(proc=proc, port=port, log_path=log_path, args=args)
-    if wait_healthy:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {proc.returncode}:\n{server.log()[-5000:]}"
-                )
-            try:
-                if requests.get(f"{server.url}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                server.terminate(timeout=10)
-                raise TimeoutError(f"server not healthy in {timeout}s:\n{server.log()[-5000:]}")
-            time.sleep(1)
+    if wait:
+        try:
+            wait_healthy(proc, server.url, timeout, log=server.log)
+        except TimeoutError:
+            server.terminate(timeout=10)
+            raise
     return server
 
 

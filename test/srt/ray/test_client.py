@@ -418,7 +418,8 @@ def test_client_updates_a_live_server_and_rejects_bad_tensors_first(
     from tiny_model import hf_greedy, random_state_dict
 
     server = launch_server(
-        ["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", ray_head.namespace]
+        ["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", ray_head.namespace,
+         "--enable-metrics"]
     )
     old = server.output_ids(PROMPT, 16)
     assert old == hf_greedy(tiny_model, PROMPT, 16)
@@ -453,6 +454,43 @@ def test_client_updates_a_live_server_and_rejects_bad_tensors_first(
     status = requests.get(f"{server.url}/weight_sync/status", timeout=30).json()
     assert (status["weights_consistent"], status["weight_version"], status["updates"]) == (
         True, "c-2", 2)
+
+    # A pull outside a session is refused by the rank: one "rejected" failure.
+    rank = client.ranks[0].actor
+    with pytest.raises(ray_client.exceptions.RayTaskError, match="refusing to pull"):
+        ray_client.get(rank.pull_weights.remote([], []), timeout=60)
+
+    # The rank's own per-update figures, its log line and its Prometheus metrics.
+    model_bytes = sum(t.numel() * t.element_size() for t in new.values())
+    rs = ray_client.get(rank.get_weight_sync_stats.remote(), timeout=60)
+    last = rs["last_update"]
+    assert (rs["updates"], rs["failures"], rs["metrics_enabled"]) == (2, {"rejected": 1}, True)
+    assert (last["weight_version"], last["tensors"], last["bytes"]) == ("c-2", len(ptrs), model_bytes)
+    assert last["pulls"] == len(stats.buckets) and last["transfer_seconds"] > 0
+    assert rs["pulls"]["bytes"] == 2 * model_bytes
+    lines = [l for l in server.log().splitlines() if "[RDT] weight update dp0/pp0/tp0 done" in l]
+    assert len(lines) == 2, server.log()[-3000:]
+    assert f"weight_version=c-2 tensors={len(ptrs)} bytes={model_bytes} " in lines[1]
+    assert re.search(r"transfer [\d.]+ s \([\d.]+ GB/s\), update [\d.]+ s, transport=\w+", lines[1])
+
+    labels = '{dp_rank="0",pp_rank="0",tp_rank="0"}'
+    wanted = {
+        f"sglang:rdt_weight_updates_total{labels}": 2.0,
+        f"sglang:rdt_weight_pulls_total{labels}": float(rs["pulls"]["pulls"]),
+        f"sglang:rdt_weight_pull_bytes_total{labels}": float(2 * model_bytes),
+        f"sglang:rdt_weight_pull_tensors_total{labels}": float(2 * len(ptrs)),
+        f"sglang:rdt_weight_update_seconds_count{labels}": 2.0,
+        'sglang:rdt_weight_sync_failures_total{dp_rank="0",kind="rejected",pp_rank="0",tp_rank="0"}': 1.0,
+    }
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    assert {k: samples.get(k) for k in wanted} == wanted, text[-3000:]
+    # next to sglang's own scheduler metrics, which the Ray backend now exports too
+    assert any(k.startswith("sglang:num_running_reqs") for k in samples), sorted(samples)[:60]
     client.close()
 
 

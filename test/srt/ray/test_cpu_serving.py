@@ -63,7 +63,7 @@ def test_unplaceable_ray_backend_exits_with_a_readable_error(tiny_model, tmp_pat
         server = start_server(
             tiny_model, head,
             ["--use-ray", "--ray-namespace", head.namespace, "--ray-startup-timeout", "10"],
-            tmp_path, wait_healthy=False,
+            tmp_path, wait=False,
         )
         try:
             rc = server.proc.wait(timeout=150)

@@ -470,3 +470,83 @@ def test_actor_options_forward_sglang_env(monkeypatch):
     monkeypatch.setenv("UNRELATED_VAR", "x")
     env = forwarded_env()
     assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1" and "UNRELATED_VAR" not in env
+
+
+def test_metrics_dir_is_forwarded_only_to_actors_on_this_node(monkeypatch, tmp_path):
+    from sglang.srt.ray import actor_options
+
+    here = "node-here"
+    monkeypatch.setattr(
+        actor_options.ray, "get_runtime_context",
+        lambda: types.SimpleNamespace(get_node_id=lambda: here),
+    )
+    table = {"bundles_to_node_id": {0: here, 1: "node-other"}}
+    monkeypatch.setattr(actor_options.ray.util, "placement_group_table", lambda pg: table)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    assert actor_options.metrics_env(object(), 0) == {}  # metrics off: nothing to share
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert actor_options.metrics_env(object(), 0) == {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    assert actor_options.metrics_env(object(), 1) == {}  # another node cannot see the dir
+    assert actor_options.metrics_env(object(), 7) == {}  # unknown bundle: do not guess
+
+
+def test_metrics_backend_follows_where_sglang_sends_its_own(monkeypatch, tmp_path):
+    from sglang.srt.ray.rdt import metrics
+
+    monkeypatch.setattr(metrics, "_sglang_uses_ray_collectors", lambda: False)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    assert metrics.default_backend() == "ray"
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "missing"))
+    assert metrics.default_backend() == "ray"
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert metrics.default_backend() == "prometheus"
+    monkeypatch.setattr(metrics, "_sglang_uses_ray_collectors", lambda: True)
+    assert metrics.default_backend() == "ray"
+    with pytest.raises(ValueError, match="unknown metrics backend 'statsd'"):
+        metrics.metric_factories("statsd")
+
+
+def test_update_tracker_sums_pulls_and_formats_one_line():
+    from sglang.srt.ray.rdt.metrics import UpdateTracker, format_update
+
+    now = [100.0]
+    tr = UpdateTracker(clock=lambda: now[0])
+    tr.start()
+    tr.on_pull({"tensors": 3, "bytes": 3000, "seconds": 0.5, "fetch_seconds": 0.25, "transport": "nixl"})
+    tr.on_pull({"tensors": 2, "bytes": 1000, "seconds": 0.5, "fetch_seconds": 0.25, "transport": "cma,nixl"})
+    now[0] = 102.0
+    s = tr.finish("v7", flushed_cache=True)
+    assert (s["pulls"], s["tensors"], s["bytes"], s["weight_version"]) == (2, 5, 4000, "v7")
+    assert s["transfer_seconds"] == pytest.approx(0.5) and s["gbps"] == pytest.approx(8e-6)
+    assert (s["transport"], s["update_seconds"]) == ("nixl,cma", 2.0)
+    line = format_update(s, "dp0/pp0/tp1")
+    assert line.startswith("[RDT] weight update dp0/pp0/tp1 done: weight_version=v7 tensors=5 bytes=4000")
+    assert "transport=nixl,cma" in line and "GB/s" in line and "cache flushed=True" in line
+    assert tr.snapshot()["updates"] == 1 and tr.snapshot()["last_update"] is s
+    # Without start(), the first pull starts the clock; an abort drops the sums.
+    tr.on_pull({"tensors": 1, "bytes": 10, "seconds": 1.0})
+    assert tr.snapshot()["update_in_progress"] == {"pulls": 1, "tensors": 1, "bytes": 10}
+    tr.fail("abort")
+    tr.fail("rejected")
+    snap = tr.snapshot()
+    assert snap["update_in_progress"] is None and snap["failures"] == {"abort": 1, "rejected": 1}
+    assert snap["last_update"]["weight_version"] == "v7"  # the last complete one stays
+
+
+def test_failure_kinds_of_pull_errors():
+    from sglang.srt.ray.rdt.actor_mixin import failure_kind
+    from sglang.srt.ray.rdt.plan import WeightsInconsistentError
+
+    assert failure_kind(WeightsInconsistentError("torn")) == "transfer"
+    assert failure_kind(WeightSyncError("bad name")) == "rejected"
+    assert failure_kind(TimeoutError("slow")) == "other"
+
+
+def test_client_names_are_exported_lazily_from_the_package():
+    import sglang.srt.ray.rdt as rdt
+    from sglang.srt.ray.rdt.client import WeightSyncClient, WeightSyncRankError
+
+    assert rdt.WeightSyncClient is WeightSyncClient
+    assert issubclass(rdt.WeightSyncRankError, WeightSyncError) and rdt.WeightSyncRankError is WeightSyncRankError
+    with pytest.raises(AttributeError):
+        rdt.NoSuchThing

@@ -2,8 +2,10 @@
 
 Default mode keeps upstream's behaviour (placement-group keyed name, owned by
 the launching job), except that resources follow the device: a ``--device cpu``
-engine asks for no GPU, and the launcher's ``SGLANG_*`` environment is
-forwarded. With ``--enable-rdt-weight-sync`` (``rdt``) the actor serves weight
+engine asks for no GPU, the launcher's ``SGLANG_*`` environment is
+forwarded, and actors on the launcher's node share its Prometheus
+multiprocess directory (so ``--enable-metrics`` shows the schedulers' metrics
+on the server's ``/metrics``). With ``--enable-rdt-weight-sync`` (``rdt``) the actor serves weight
 sync and, unless launched in handles mode (``launch_engine``), becomes
 discoverable (``discoverable``) by trainers in other Ray jobs:
 
@@ -38,10 +40,37 @@ RDT_ACTOR_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 FORWARDED_ENV_PREFIXES = ("SGLANG_", "SGL_")
 
 
+# sglang's metrics are prometheus_client in multiprocess mode: every process
+# writes into this directory and the HTTP server's /metrics reads it. An actor
+# on the server's node can join in (the scheduler's own metrics and the RDT
+# ones then show up on /metrics); one on another node cannot see the directory.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
 def forwarded_env() -> Dict[str, str]:
     return {
         k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)
     }
+
+
+def bundle_node_id(placement_group, bundle_index: int) -> Optional[str]:
+    """The node id a (ready) placement group put ``bundle_index`` on."""
+    try:
+        table = ray.util.placement_group_table(placement_group)
+        return table.get("bundles_to_node_id", {}).get(bundle_index)
+    except Exception:
+        return None
+
+
+def metrics_env(placement_group, bundle_index: int) -> Dict[str, str]:
+    """``PROMETHEUS_MULTIPROC_DIR`` for an actor on this process's node."""
+    d = os.environ.get(METRICS_DIR_ENV)
+    if not d:
+        return {}
+    here = ray.get_runtime_context().get_node_id()
+    if bundle_node_id(placement_group, bundle_index) != here:
+        return {}
+    return {METRICS_DIR_ENV: d}
 
 
 def scheduler_actor_options(
@@ -66,6 +95,7 @@ def scheduler_actor_options(
     )
     ranks = dict(dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, bundle_index=bundle_index)
     env_vars = forwarded_env()
+    env_vars.update(metrics_env(placement_group, bundle_index))
     if rdt:
         env_vars.update(RDT_ACTOR_ENV)
         options["max_concurrency"] = RDT_ACTOR_MAX_CONCURRENCY

@@ -12,7 +12,8 @@
 
 and, for the engine's own update session (``/weight_sync/*``, ``RayEngine``):
 ``begin_weight_update()``, ``abort_weight_update()``; for anyone:
-``get_weight_sync_status()`` and ``get_parallelism_config()``.
+``get_weight_sync_status()``, ``get_weight_sync_stats()`` (per-update figures)
+and ``get_parallelism_config()``.
 
 Torn weights: a pull is refused unless this rank is quiesced — an update
 session is open (which drained in-flight requests and holds new ones back), or
@@ -24,12 +25,13 @@ on the scheduler's own thread at a safe point between loop iterations
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from sglang.srt.ray.rdt.plan import WeightSyncError
 from sglang.srt.managers.scheduler_safe_point import SafePointQueue
+from sglang.srt.ray.rdt import metrics as rdt_metrics
+from sglang.srt.ray.rdt.plan import WeightsInconsistentError, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,15 @@ NOT_QUIESCED = (
     "requests and hold new ones until the update is finalized — or pause "
     "generation (POST /pause_generation) and let running requests finish."
 )
+
+def failure_kind(exc: BaseException) -> str:
+    """The metrics ``kind`` of a failed pull."""
+    if isinstance(exc, WeightsInconsistentError):
+        return "transfer"
+    if isinstance(exc, WeightSyncError):
+        return "rejected"
+    return "other"
+
 
 def _is_quiesced(scheduler) -> Optional[str]:
     """None when a pull is safe now, else why not."""
@@ -96,6 +107,11 @@ class RdtWeightSyncMixin:
             registration_disabled_reason=reason,
         )
         self._rdt_update_touched = False
+        self._rdt_updates = rdt_metrics.UpdateTracker()
+        self._rdt_rank_label = self._rank_labels()
+        rdt_metrics.configure(
+            bool(getattr(server_args, "enable_metrics", False)), self._rdt_rank_label
+        )
         from sglang.srt.managers.weight_memory_listeners import (
             add_weight_memory_listener,
         )
@@ -110,6 +126,17 @@ class RdtWeightSyncMixin:
                 cuda_ipc_transport.register()
             except Exception as e:
                 logger.warning("[RDT] CUDA IPC fast path unavailable, NIXL only: %s", e)
+
+    def _rank_labels(self) -> Dict[str, str]:
+        try:
+            cfg = self.get_parallelism_config()
+        except Exception:  # pragma: no cover - the runtime context is published first
+            cfg = {}
+        return {
+            "dp_rank": str(cfg.get("dp_rank") or 0),
+            "pp_rank": str(cfg.get("pp_rank") or 0),
+            "tp_rank": str(cfg.get("tp_rank") or 0),
+        }
 
     def _exit_orphaned(self, why: str) -> None:
         import ray
@@ -179,7 +206,16 @@ class RdtWeightSyncMixin:
             return receiver.pull(weights_refs, param_names, timeout)
 
         budget = (timeout or receiver.pull_timeout_s) + SAFE_POINT_TIMEOUT_S
-        return self._on_scheduler(run, budget)
+        try:
+            stats = self._on_scheduler(run, budget)
+        except BaseException as e:
+            kind = failure_kind(e)
+            self._rdt_updates.fail(kind)
+            rdt_metrics.record_failure(kind)
+            raise
+        self._rdt_updates.on_pull(stats)
+        rdt_metrics.record_pull(stats)
+        return stats
 
     def begin_weight_update(self) -> Dict[str, Any]:
         """Open sglang's weight-update session on this rank (engine session use)."""
@@ -192,6 +228,7 @@ class RdtWeightSyncMixin:
             if not out.success:
                 raise WeightSyncError(f"begin_weight_update failed: {out.message}")
             self._rdt_update_touched = False
+            self._rdt_updates.start()
             return {"success": True}
 
         return self._on_scheduler(run)
@@ -237,12 +274,23 @@ class RdtWeightSyncMixin:
                 "weight_version": self._weight_version(),
             }
 
-        result = self._on_scheduler(run)
-        logger.info(
-            "[RDT] update finalized: weight_version=%s, cache flushed=%s",
-            result["weight_version"], result["flushed_cache"],
+        try:
+            result = self._on_scheduler(run)
+        except BaseException:
+            self._rdt_updates.fail("finalize")
+            rdt_metrics.record_failure("finalize")
+            raise
+        summary = self._rdt_updates.finish(
+            result["weight_version"], flushed_cache=result["flushed_cache"]
         )
+        rdt_metrics.record_update(summary["update_seconds"])
+        logger.info(rdt_metrics.format_update(summary, self._rank_text()))
+        result["update"] = summary
         return result
+
+    def _rank_text(self) -> str:
+        r = self._rdt_rank_label
+        return f"dp{r['dp_rank']}/pp{r['pp_rank']}/tp{r['tp_rank']}"
 
     def abort_weight_update(self, reason: str = "update aborted") -> Dict[str, Any]:
         """Close an open session without a version bump.
@@ -264,6 +312,8 @@ class RdtWeightSyncMixin:
             self._rdt_update_touched = False
             return receiver.status()
 
+        self._rdt_updates.fail("abort")
+        rdt_metrics.record_failure("abort")
         return self._on_scheduler(run)
 
     def get_weight_sync_status(self) -> Dict[str, Any]:
@@ -271,8 +321,25 @@ class RdtWeightSyncMixin:
         status = {"enabled": self._rdt_enabled, "weight_version": self._weight_version()}
         if self._rdt_receiver is not None:
             status.update(self._rdt_receiver.status())
+            status["last_update"] = self._rdt_updates.last
         status["event_loop"] = self._rdt_safe_point.state
         return status
+
+    def get_weight_sync_stats(self) -> Dict[str, Any]:
+        """Per-update figures of this rank: ``last_update`` (tensors, bytes,
+        seconds, GB/s, transport, weight_version — the same as its log line),
+        ``updates``, ``failures`` by kind, the pull counters and whether
+        Prometheus metrics are on."""
+        receiver = self._receiver()
+        out = self._rdt_updates.snapshot()
+        out.update(
+            rank=self._rdt_rank_label,
+            weight_version=self._weight_version(),
+            pulls={k: v for k, v in receiver.stats.items() if k != "last_pull"},
+            last_pull=receiver.stats.get("last_pull"),
+            metrics_enabled=rdt_metrics.enabled(),
+        )
+        return out
 
     def get_parallelism_config(self) -> Dict[str, Any]:
         """This rank's parallel layout (the same record the bootstrap server serves)."""

@@ -1,42 +1,52 @@
-"""Prometheus metrics of RDT weight sync, exported through Ray's metrics agent.
+"""Metrics of RDT weight sync: Prometheus counters/histograms and one log line per update.
 
-A SchedulerActor is a Ray worker, not one of sglang's own processes, so its
-metrics go through ``ray.util.metrics`` (sglang's Ray wrappers in
-:mod:`sglang.srt.observability.ray_wrappers`, the ones ``RayEngine`` uses for
-its stat loggers) and appear on Ray's Prometheus endpoint next to sglang's
-scheduler metrics, with a ``ray_`` prefix::
+With ``--enable-metrics`` a SchedulerActor exports, next to sglang's own
+scheduler metrics::
 
-    ray_sglang_rdt_weight_pulls_total{dp_rank="0",tp_rank="0",...}
-    ray_sglang_rdt_weight_pull_bytes_total
-    ray_sglang_rdt_weight_pull_tensors_total
-    ray_sglang_rdt_weight_pull_seconds_bucket{le="0.1",...}
-    ray_sglang_rdt_weight_updates_total
-    ray_sglang_rdt_weight_update_seconds_bucket{...}
-    ray_sglang_rdt_weight_sync_failures_total{kind="pull",...}
+    sglang:rdt_weight_pulls_total{dp_rank="0",pp_rank="0",tp_rank="0"}
+    sglang:rdt_weight_pull_bytes_total / sglang:rdt_weight_pull_tensors_total
+    sglang:rdt_weight_pull_seconds_bucket{le="0.1",...}
+    sglang:rdt_weight_updates_total
+    sglang:rdt_weight_update_seconds_bucket{...}
+    sglang:rdt_weight_sync_failures_total{kind="transfer",...}
 
-Everything is off until :func:`configure` is called with ``enabled=True`` (the
-engine does that under ``--enable-metrics``); until then the ``record_*``
-functions return at once, so they can be called unconditionally::
+Where they appear follows where sglang's own scheduler metrics go:
+
+* ``prometheus`` — the actor runs with ``PROMETHEUS_MULTIPROC_DIR`` (a CLI
+  server, actor on the server's node; see :mod:`sglang.srt.ray.actor_options`):
+  prometheus_client in multiprocess mode, on the server's ``/metrics``;
+* ``ray`` — otherwise (``RayEngine`` in Python, ranks on other nodes): sglang's
+  Ray wrappers (:mod:`sglang.srt.observability.ray_wrappers`), on Ray's
+  metrics endpoint, with Ray's ``ray_`` prefix and ``:`` turned into ``_``.
+
+Everything is off until :func:`configure` is called with ``enabled=True``;
+until then the ``record_*`` functions return at once, so they can be called
+unconditionally::
 
     from sglang.srt.ray.rdt import metrics as rdt_metrics
 
     rdt_metrics.configure(server_args.enable_metrics, {"dp_rank": 0, "tp_rank": 1})
     stats = receiver.pull(refs, names)
     rdt_metrics.record_pull(stats)           # after every successful pull
-    rdt_metrics.record_failure("pull")       # when a pull raised
+    rdt_metrics.record_failure("transfer")   # when a pull broke mid-way
     rdt_metrics.record_update(seconds)       # after finalize
 
 Failure ``kind`` values used by the engine: ``"rejected"`` (a pull refused
 before any byte moved: bad names/shapes/dtypes, not quiesced),
 ``"transfer"`` (a transfer broke mid-way: weights inconsistent),
-``"finalize"``, ``"abort"``.
+``"finalize"``, ``"abort"``, ``"other"``.
+
+:class:`UpdateTracker` sums the pulls of one update and gives the per-update
+summary (and log line, :func:`format_update`) a rank reports at finalize.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from typing import Any, Callable, Mapping, Optional
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -48,29 +58,66 @@ FAILURE_KINDS = ("rejected", "transfer", "finalize", "abort", "other")
 LABEL_NAMES = ("dp_rank", "pp_rank", "tp_rank")
 
 
+def _sglang_uses_ray_collectors() -> bool:
+    """Whether sglang's own collectors in this process are the Ray-backed ones
+    (``RayEngine(enable_metrics=True)`` sets them)."""
+    try:
+        from sglang.srt.runtime_context import get_observability
+
+        loggers = get_observability().stat_loggers or {}
+    except Exception:
+        return False
+    return any("ray_wrappers" in getattr(c, "__module__", "") for c in loggers.values())
+
+
+def default_backend() -> str:
+    """Where sglang's own scheduler metrics of this process go: ``prometheus``
+    (multiprocess files the server's ``/metrics`` reads) or ``ray``."""
+    if _sglang_uses_ray_collectors():
+        return "ray"
+    d = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    return "prometheus" if d and os.path.isdir(d) else "ray"
+
+
+def metric_factories(backend: str) -> Tuple[Callable[..., Any], Callable[..., Any]]:
+    """(counter, histogram) classes with prometheus_client's signature."""
+    if backend == "prometheus":
+        from prometheus_client import Counter, Histogram
+
+        return Counter, Histogram
+    if backend == "ray":
+        from sglang.srt.observability.ray_wrappers import (
+            RayCounterWrapper,
+            RayHistogramWrapper,
+        )
+
+        return RayCounterWrapper, RayHistogramWrapper
+    raise ValueError(f"unknown metrics backend {backend!r}; use 'prometheus' or 'ray'")
+
+
 class RdtMetrics:
     """The metric set of one process; ``counter``/``histogram`` build metrics.
 
-    ``counter(name, doc, labelnames)`` and ``histogram(name, doc, labelnames,
-    buckets)`` default to sglang's Ray wrappers (prometheus_client's API on
-    ``ray.util.metrics``); tests pass fakes.
+    ``counter(name=, documentation=, labelnames=)`` and ``histogram(...,
+    buckets=)`` default to the classes of ``backend`` (see
+    :func:`default_backend`); tests pass fakes.
     """
 
     def __init__(
         self,
         labels: Optional[Mapping[str, Any]] = None,
         *,
+        backend: Optional[str] = None,
         counter: Optional[Callable[..., Any]] = None,
         histogram: Optional[Callable[..., Any]] = None,
     ):
         if counter is None or histogram is None:
-            from sglang.srt.observability.ray_wrappers import (
-                RayCounterWrapper,
-                RayHistogramWrapper,
-            )
-
-            counter = counter or RayCounterWrapper
-            histogram = histogram or RayHistogramWrapper
+            self.backend = backend or default_backend()
+            default_counter, default_histogram = metric_factories(self.backend)
+            counter = counter or default_counter
+            histogram = histogram or default_histogram
+        else:
+            self.backend = backend or "custom"
         labels = {k: str(v) for k, v in (labels or {}).items()}
         names = list(labels)
         self._labels = labels
@@ -141,6 +188,10 @@ def configure(
             return None
         try:
             _metrics = RdtMetrics(labels, **factories)
+            logger.info(
+                "[RDT] weight-sync metrics on (%s backend, labels %s)",
+                _metrics.backend, dict(labels or {}),
+            )
         except Exception as e:
             logger.warning("[RDT] weight-sync metrics disabled: %s: %s", type(e).__name__, e)
             _metrics = None
@@ -174,3 +225,100 @@ def record_update(seconds: Optional[float] = None) -> None:
 def record_failure(kind: str) -> None:
     """Count a failure: ``"rejected"``, ``"transfer"``, ``"finalize"``, ``"abort"``."""
     _safe("record_failure", kind)
+
+
+# --------------------------------------------------------------------------- #
+# One update on one rank: the summary behind the per-update log line
+# --------------------------------------------------------------------------- #
+class UpdateTracker:
+    """Sums the pulls of the update in progress on one rank.
+
+    ``start()`` when a session opens (or implicitly at the first pull),
+    ``on_pull(stats)`` after every pull, ``finish(version)`` at finalize
+    (returns the summary, also kept as :attr:`last`), ``fail(kind)`` for a
+    failure (counted; an aborted update also drops what it summed).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self.last: Optional[Dict[str, Any]] = None
+        self.updates = 0
+        self.failures: Dict[str, int] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._started: Optional[float] = None
+        self._pulls = 0
+        self._tensors = 0
+        self._bytes = 0
+        self._transfer_s = 0.0
+        self._pull_s = 0.0
+        self._transports: List[str] = []
+
+    @property
+    def active(self) -> bool:
+        return self._started is not None
+
+    def start(self) -> None:
+        self._reset()
+        self._started = self._clock()
+
+    def on_pull(self, stats: Mapping[str, Any]) -> None:
+        if self._started is None:
+            self._started = self._clock() - float(stats.get("seconds") or 0.0)
+        self._pulls += 1
+        self._tensors += int(stats.get("tensors", 0))
+        self._bytes += int(stats.get("bytes", 0))
+        self._transfer_s += float(stats.get("fetch_seconds", stats.get("seconds", 0.0)) or 0.0)
+        self._pull_s += float(stats.get("seconds") or 0.0)
+        for t in str(stats.get("transport") or "").split(","):
+            if t and t not in self._transports:
+                self._transports.append(t)
+
+    def fail(self, kind: str) -> None:
+        self.failures[kind] = self.failures.get(kind, 0) + 1
+        if kind == "abort":
+            self._reset()
+
+    def finish(self, weight_version: Optional[str], **extra: Any) -> Dict[str, Any]:
+        now = self._clock()
+        seconds = now - self._started if self._started is not None else 0.0
+        summary = {
+            "weight_version": weight_version,
+            "pulls": self._pulls,
+            "tensors": self._tensors,
+            "bytes": self._bytes,
+            "transfer_seconds": self._transfer_s,
+            "pull_seconds": self._pull_s,
+            "gbps": self._bytes / self._transfer_s / 1e9 if self._transfer_s > 0 else 0.0,
+            "transport": ",".join(self._transports) or "none",
+            "update_seconds": seconds,
+            **extra,
+        }
+        self.updates += 1
+        self.last = summary
+        self._reset()
+        return summary
+
+    def snapshot(self) -> Dict[str, Any]:
+        return {
+            "updates": self.updates,
+            "failures": dict(self.failures),
+            "last_update": self.last,
+            "update_in_progress": {
+                "pulls": self._pulls, "tensors": self._tensors, "bytes": self._bytes,
+            } if self.active else None,
+        }
+
+
+def format_update(summary: Mapping[str, Any], rank: str = "") -> str:
+    """The one log line of a finalized update."""
+    where = f" {rank}" if rank else ""
+    return (
+        f"[RDT] weight update{where} done: weight_version={summary.get('weight_version')} "
+        f"tensors={summary['tensors']} bytes={summary['bytes']} "
+        f"({summary['bytes'] / 2**20:.2f} MiB) in {summary['pulls']} pulls, "
+        f"transfer {summary['transfer_seconds']:.4f} s ({summary['gbps']:.3f} GB/s), "
+        f"update {summary['update_seconds']:.3f} s, transport={summary['transport']}"
+        + (f", cache flushed={summary['flushed_cache']}" if "flushed_cache" in summary else "")
+    )

@@ -1,0 +1,173 @@
+"""Process plumbing shared by the tests (``conftest.py``) and ``make demo``.
+
+A private Ray head on loopback, the CPU arguments of the tiny-model server, a
+health wait, and stopping processes by pid. Nothing here stops anything it did
+not start: processes are found by a marker only they carry (the head's own
+temp dir, the server's port), never by name, and ``ray stop`` is never used
+(it would stop every Ray cluster on the host).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import psutil
+import requests
+
+# The tiny model on this CPU-only machine (sglang 0.5.23).
+CPU_SERVER_ARGS = [
+    "--device", "cpu",
+    "--model-impl", "transformers",
+    "--attention-backend", "torch_native",
+    "--disable-cuda-graph",
+    "--max-total-tokens", "4096",
+    "--dtype", "float32",  # the HF reference runs in float32 too
+    "--host", "127.0.0.1",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def processes_with(marker: str) -> List[psutil.Process]:
+    """Processes (not this one) whose command line contains ``marker``."""
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def stop_processes(procs: List[psutil.Process], timeout: float = 15) -> None:
+    """SIGTERM, wait, then SIGKILL what is left."""
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout)
+
+
+@dataclass
+class RayHead:
+    """A ``ray start --head`` of our own: loopback, own port, temp dir, token."""
+
+    address: str
+    temp_dir: str
+    token: str
+    namespace: str
+    num_cpus: int
+    _starting: Optional[subprocess.Popen] = None
+
+    @property
+    def env(self) -> Dict[str, str]:
+        """Environment for any process that joins this cluster (Ray 2.60 heads
+        use token authentication)."""
+        return {
+            "RAY_ADDRESS": self.address,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": self.token,
+        }
+
+    @classmethod
+    def launch(cls, num_cpus: int = 8, namespace: str = "sglang-test") -> "RayHead":
+        """Start ``ray start --head`` in the background; :meth:`wait` for it."""
+        port = free_port()
+        # Short: Ray puts unix sockets under it (108-byte path limit).
+        temp_dir = tempfile.mkdtemp(prefix="rt_", dir="/tmp")
+        head = cls(
+            address=f"127.0.0.1:{port}", temp_dir=temp_dir, token=secrets.token_hex(32),
+            namespace=namespace, num_cpus=num_cpus,
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(head.env)
+        env.pop("RAY_ADDRESS")
+        cmd = [
+            str(Path(sys.executable).parent / "ray"), "start", "--head",
+            "--node-ip-address=127.0.0.1", f"--port={port}",
+            f"--num-cpus={num_cpus}", "--num-gpus=0",
+            "--include-dashboard=false", "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ]
+        head._starting = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        return head
+
+    def wait(self, timeout: float = 120) -> "RayHead":
+        proc, self._starting = self._starting, None
+        if proc is None:
+            return self
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            self.stop()
+            raise TimeoutError(f"`ray start --head` did not finish within {timeout:.0f} s")
+        if proc.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"ray start failed:\n{out}")
+        return self
+
+    def stop(self) -> None:
+        """Stop every process of this head (found by its temp dir) and remove it."""
+        stop_processes(processes_with(self.temp_dir))
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def processes(self) -> List[psutil.Process]:
+        return processes_with(self.temp_dir)
+
+
+def start_ray_head(num_cpus: int = 8, namespace: str = "sglang-test") -> RayHead:
+    return RayHead.launch(num_cpus, namespace).wait()
+
+
+def wait_healthy(
+    proc: subprocess.Popen,
+    url: str,
+    timeout: float,
+    *,
+    log: Callable[[], str] = lambda: "",
+    on_wait: Optional[Callable[[float], None]] = None,
+) -> float:
+    """Poll ``url``/health until 200; raise if ``proc`` exits or time runs out.
+
+    Returns the seconds waited. ``on_wait(seconds)`` is called about once a
+    second (progress display)."""
+    started = time.monotonic()
+    while True:
+        waited = time.monotonic() - started
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log()[-5000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return waited
+        except requests.RequestException:
+            pass
+        if waited > timeout:
+            raise TimeoutError(f"server not healthy in {timeout:.0f}s:\n{log()[-5000:]}")
+        if on_wait is not None:
+            on_wait(waited)
+        time.sleep(1)

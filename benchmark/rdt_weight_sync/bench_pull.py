@@ -18,9 +18,9 @@ another, each in its own Ray actor:
 * ``ipc``: the same receiver pulling a ref put with the ``SGLANG_IPC``
   transport (:mod:`sglang.srt.ray.rdt.cuda_ipc_transport`): CUDA IPC + copy
   engine on one node (cold, steady, variants of ``--ipc-variants``, and with
-  the handle cache off); on CPU it shows the transport's fall-back to NIXL.
-  ``receiver.py`` accepts only NIXL refs, so the receiver actor lets its
-  ``ref_tensor_specs`` accept this transport too (benchmark only);
+  the handle cache off); on CPU the same transport reads the sender's memory
+  with ``process_vm_readv`` (:mod:`sglang.srt.ray.rdt.cma`), with the default
+  reader threads, then 1 and 2;
 * the ceiling: copies of same-shaped tensors between the two devices in the
   driver process (CUDA: one tensor, a per-tensor loop with torch, raw copy
   engine loops on 1 or more streams, one ``cuMemcpyBatchAsync``, one SM copy
@@ -34,7 +34,7 @@ Examples::
 
     # GPU (two GPUs): everything, ~60 s on two H200s (docs/performance.md)
     python benchmark/rdt_weight_sync/bench_pull.py --device cuda --steady 7
-    # CPU (CI smoke test): NIXL over DRAM vs memcpy, small
+    # CPU (CI smoke test): NIXL over DRAM and process_vm_readv vs memcpy, small
     python benchmark/rdt_weight_sync/bench_pull.py --device cpu --uniform 8x1
 
 It starts a local Ray (``ray.init()``) unless ``RAY_ADDRESS`` names a cluster,
@@ -450,19 +450,11 @@ class Receiver(_Side):
         return out
 
     def accept_ipc_refs(self):
-        """Let the receiver read SGLANG_IPC refs (receiver.py accepts only NIXL)."""
-        from sglang.srt.ray.rdt import receiver as receiver_mod
-        from sglang.srt.ray.rdt.plan import TensorSpec
+        """Nothing to change since receiver.py accepts SGLANG_IPC refs itself;
+        kept so older drivers work. Returns the transports it accepts."""
+        from sglang.srt.ray.rdt.receiver import PULLABLE_TRANSPORTS
 
-        def ref_tensor_specs(ref, timeout_s):
-            manager = receiver_mod._rdt_manager()
-            meta = manager.get_rdt_metadata(ref.hex())
-            tm = meta.tensor_transport_meta or manager.wait_for_tensor_transport_metadata(
-                ref.hex(), timeout_s)
-            return [TensorSpec.of(e) for e in tm.tensor_meta]
-
-        receiver_mod.ref_tensor_specs = ref_tensor_specs
-        return True
+        return list(PULLABLE_TRANSPORTS)
 
     def ipc_config(self, cache=None, engine=None, streams=None, method=None):
         from sglang.srt.ray.rdt import cuda_ipc_transport
@@ -477,8 +469,17 @@ class Receiver(_Side):
             t.engine = engine
         if streams is not None:
             t.nstreams = streams
+            if self.device.type == "cpu":  # on CPU: reader threads of process_vm_readv
+                from sglang.srt.ray.rdt.cma import CmaReader
+
+                if t._cma_reader is not None:
+                    t._cma_reader.close()
+                t._cma_reader = CmaReader(threads=streams)
         if method is not None:
             t.method = method
+        if self.device.type == "cpu":
+            return {"engine": "cma", "streams": t._cma_reader.threads if t._cma_reader else t.nstreams,
+                    "method": "process_vm_readv", "cache": False, **t.mapping_stats()}
         return {"engine": t.engine, "streams": t.nstreams, "method": t.method, "cache": t.cache_mappings,
                 **t.mapping_stats()}
 
@@ -808,7 +809,11 @@ def run_workload(wname: str, specs, args, log) -> Dict[str, Any]:
         def ipc():
             log(f"[{wname}] SGLANG_IPC pulls ...")
             get(receiver.accept_ipc_refs.remote())
-            variants = [(v.split(":") + ["ce"])[:3] for v in args.ipc_variants.split(",") if v] if cuda else [["dst", "4", "ce"]]
+            if cuda:
+                variants = [(v.split(":") + ["ce"])[:3] for v in args.ipc_variants.split(",") if v]
+            else:  # CPU: process_vm_readv with the default threads, then 1, 2 threads
+                n = min(4, os.cpu_count() or 1)
+                variants = [["cma", str(k), "cma"] for k in dict.fromkeys([n, 1, 2])]
             eng, nst, meth = variants[0]
             res["ipc_config"] = get(receiver.ipc_config.remote(engine=eng, streams=int(nst), method=meth))
             res["ipc"] = run_pulls(sender, receiver, names, "ipc", 1 + args.steady, 500, log)
@@ -905,11 +910,15 @@ def summarize(res: Dict[str, Any], device: str) -> Dict[str, Any]:
         rows.append((f"NCCL broadcast, {mib} MiB buckets (median of {len(it)})", _gbps(nbytes, mb), peak, ok))
         rows.append(("NCCL broadcast + copy into params (load_weights)", _gbps(nbytes, mt), peak, ok))
     cfg = res.get("ipc_config") or {}
-    pull_rows("ipc", "pull, SGLANG_IPC" + (f" ({cfg['engine']}, {cfg['streams']} str, {cfg['method']})" if cfg and device == "cuda" else ""))
+    if device == "cuda":
+        pull_rows("ipc", "pull, SGLANG_IPC" + (f" ({cfg['engine']}, {cfg['streams']} str, {cfg['method']})" if cfg else ""))
+    else:
+        pull_rows("ipc", "pull, SGLANG_IPC" + (f" (process_vm_readv, {cfg['streams']} thr)" if cfg else ""))
     for v, pulls in (res.get("ipc_variants") or {}).items():
         eng, nst, meth = v.split(":")
         med = statistics.median(p["fetch_seconds"] for p in pulls[1:] or pulls)
-        rows.append((f"pull, SGLANG_IPC ({eng}, {nst} str, {meth}) median of {len(pulls[1:] or pulls)}",
+        what = f"process_vm_readv, {nst} thr" if eng == "cma" else f"{eng}, {nst} str, {meth}"
+        rows.append((f"pull, SGLANG_IPC ({what}) median of {len(pulls[1:] or pulls)}",
                      _gbps(nbytes, med), max((p.get("peak_extra_bytes") or 0) for p in pulls),
                      all(p["check"]["ok"] for p in pulls)))
     if res.get("ipc_nocache"):

@@ -35,7 +35,10 @@ def deep_model(seed: int = 0, width: int = 32, depth: int = 6) -> torch.nn.Modul
 @ray.remote(num_cpus=0, max_concurrency=4, enable_tensor_transport=True)
 class FakeRank:
     def __init__(self, rank: int, seed: int = 0, delay_s: float = 0.0, fail: Optional[str] = None):
+        from sglang.srt.ray.rdt import cuda_ipc_transport
         from sglang.srt.ray.rdt.receiver import RdtWeightReceiver
+
+        cuda_ipc_transport.register()  # as the SchedulerActor does
 
         self.rank = rank
         self.model = deep_model(seed)
@@ -92,7 +95,7 @@ class FakeRank:
         return self.receiver.status()
 
     def get_weight_sync_status(self):
-        return self.receiver.status()
+        return {**self.receiver.status(), "transports": ["NIXL", "SGLANG_IPC"]}
 
     # --- inspection ------------------------------------------------------ #
     def state(self) -> Dict[str, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 ``ToyRank`` holds a small torch model and an :class:`RdtWeightReceiver`, exactly
 as a SchedulerActor does, without sglang around it. ``ToyTrainer`` puts buckets
-over NIXL and keeps them alive until told to drop them.
+over NIXL (or ``SGLANG_IPC``, the same-node path) and keeps them alive until
+told to drop them.
 """
 
 from __future__ import annotations
@@ -31,8 +32,20 @@ def toy_model(seed: int = 0, width: int = 64) -> torch.nn.Module:
 @ray.remote(num_cpus=0, max_concurrency=4, enable_tensor_transport=True)
 class ToyRank:
     def __init__(self, seed: int = 0, width: int = 64, pull_timeout_s: float = 30.0):
+        from sglang.srt.ray.rdt import cuda_ipc_transport
+
+        cuda_ipc_transport.register()  # as the SchedulerActor does
         self.receiver = None
         self.reset(seed, width, pull_timeout_s)
+
+    def set_env(self, key: str, value):
+        import os
+
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+        return True
 
     def reset(self, seed: int = 0, width: int = 64, pull_timeout_s: float = 30.0, model=None):
         """A fresh model and receiver (importing sglang once per actor is slow)."""
@@ -70,6 +83,16 @@ class ToyRank:
     def status(self):
         return self.receiver.status()
 
+    def reallocate(self, name: str):
+        """Give parameter ``name`` new storage (as post-load processing may)."""
+        p = dict(self.model.named_parameters())[name]
+        p.data = p.data.clone()
+        return p.data_ptr()
+
+    def registered_ptrs(self):
+        book = self.receiver._registrations
+        return sorted(k[1] for k in book._entries) if book is not None else []
+
     def make_noncontiguous(self, name: str):
         p = dict(self.model.named_parameters())[name]
         p.data = p.data.t().contiguous().t()
@@ -94,12 +117,17 @@ class ToyRank:
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
 class ToyTrainer:
-    def __init__(self):
+    def __init__(self, transport: str = "nixl"):
         self.buckets: List[List[torch.Tensor]] = []
+        self.transport = transport
+        if transport == "SGLANG_IPC":
+            from sglang.srt.ray.rdt import cuda_ipc_transport
+
+            cuda_ipc_transport.register()
 
     def put(self, tensors: List[torch.Tensor]):
         self.buckets.append(tensors)
-        return [ray.put(tensors, _tensor_transport="nixl")]
+        return [ray.put(tensors, _tensor_transport=self.transport)]
 
     def put_plain(self, tensors: List[torch.Tensor]):
         return [ray.put(tensors)]
@@ -107,7 +135,7 @@ class ToyTrainer:
     def put_large(self, n: int, numel: int):
         ts = [torch.full((numel,), float(i + 1)) for i in range(n)]
         self.buckets.append(ts)
-        return [ray.put(ts, _tensor_transport="nixl")]
+        return [ray.put(ts, _tensor_transport=self.transport)]
 
     def drop(self):
         self.buckets.clear()

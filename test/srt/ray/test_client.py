@@ -264,6 +264,9 @@ def test_double_buffering_never_changes_a_bucket_while_a_slow_rank_reads_it(toy)
     assert stats.tensors == len(weights) and stats.ranks == 2
     assert stats.bytes == sum(t.numel() * 4 for t in weights.values())
     assert stats.bytes_moved == 2 * stats.bytes and stats.version == "db-1"
+    # The spy sender puts with the default SGLANG_IPC: on one host, CPU
+    # buckets are read with process_vm_readv, straight from the sender.
+    assert stats.transport == "cma" and "transport=cma" in stats.summary()
 
     fills = ray.get(toy.spy.fill_log.remote())[fills_before:]
     pulls = [ray.get(r.log.remote())["pulls"][k:] for r, k in zip(toy.ranks, pulls_before)]
@@ -282,6 +285,17 @@ def test_double_buffering_never_changes_a_bucket_while_a_slow_rank_reads_it(toy)
     assert any(overlaps), overlaps
     assert ray.get(toy.spy.in_flight.remote()) == [None, None]
     assert [ray.get(r.log.remote())["finalized"][-1] for r in toy.ranks] == ["db-1", "db-1"]
+
+
+def test_auto_transport_needs_every_rank_to_accept_the_fast_path(toy):
+    client = toy_client(toy)
+    assert client.transport == "auto" and client.put_transport() == "SGLANG_IPC"
+    client = toy_client(toy)
+    client.status = lambda: [{"transports": ["NIXL", "SGLANG_IPC"]}, {}]  # an older rank
+    assert client.put_transport() == "nixl"
+    assert toy_client(toy, transport="nixl").put_transport() == "nixl"
+    with pytest.raises(ValueError, match="transport must be 'auto', 'nixl' or 'SGLANG_IPC'"):
+        toy_client(toy, transport="tcp")
 
 
 def test_failing_rank_surfaces_as_one_error_naming_the_rank_and_aborts(toy):

@@ -51,6 +51,24 @@ def test_valid_pull_is_zero_copy_and_exact(pair):
     assert ray.get(rank.pointers.remote()) == ptrs
 
 
+def test_reallocated_parameter_is_registered_again_before_the_pull(pair):
+    ray, rank, trainer = pair
+    names, new = _new_weights(3)
+    assert ray.get(rank.register.remote())["registered"] is True
+    (ref,) = ray.get(trainer.put.remote(new))
+    ray.get(rank.pull.remote([ref], names), timeout=60)
+    before = ray.get(rank.registered_ptrs.remote())
+    old_ptr = ray.get(rank.pointers.remote())[names[0]]
+    new_ptr = ray.get(rank.reallocate.remote(names[0]))
+    assert old_ptr in before and new_ptr != old_ptr
+    (ref,) = ray.get(trainer.put.remote(new))
+    ray.get(rank.pull.remote([ref], names), timeout=60)
+    after = ray.get(rank.registered_ptrs.remote())
+    assert new_ptr in after and old_ptr not in after and len(after) == len(before)
+    state = ray.get(rank.state.remote())
+    assert all(torch.equal(state[n], t) for n, t in zip(names, new))
+
+
 def test_pull_before_register_still_works(pair):
     ray, rank, trainer = pair
     names, new = _new_weights(2)
@@ -166,13 +184,14 @@ def test_source_is_not_snapshotted_by_put(pair):
     assert all(bool((state[n] == 7.0).all()) for n in names)
 
 
+@pytest.mark.parametrize("transport", ["nixl", "SGLANG_IPC"])
 def test_killing_the_trainer_mid_pull_fails_in_bounded_time_and_marks_inconsistent(
-    ray_client, toy_rank
+    ray_client, toy_rank, transport
 ):
     ray = ray_client
     n, numel = 64, 4 * 2**20  # 64 x 16 MiB = 1 GiB of float32
     rank = toy_rank
-    trainer = ToyTrainer.remote()
+    trainer = ToyTrainer.remote(transport)
     try:
         # A rank whose model is 64 big vectors, so the pull writes 1 GiB.
         ray.get(rank.reset_big.remote(n, numel), timeout=120)
@@ -191,7 +210,7 @@ def test_killing_the_trainer_mid_pull_fails_in_bounded_time_and_marks_inconsiste
         th = threading.Thread(target=pull)
         t0 = time.monotonic()
         th.start()
-        time.sleep(0.3)
+        time.sleep(0.3 if transport == "nixl" else 0.15)
         import os
         import signal
 
@@ -206,7 +225,7 @@ def test_killing_the_trainer_mid_pull_fails_in_bounded_time_and_marks_inconsiste
         assert status["weights_consistent"] is False
         assert "failed mid-transfer" in status["inconsistent_reason"]
         # The rank still works: a complete update afterwards is accepted.
-        trainer2 = ToyTrainer.remote()
+        trainer2 = ToyTrainer.remote(transport)
         (ref2,) = ray.get(trainer2.put_large.remote(n, 1024), timeout=60)
         with pytest.raises(Exception, match="layout mismatch"):
             ray.get(rank.pull.remote([ref2], names), timeout=60)
@@ -214,3 +233,51 @@ def test_killing_the_trainer_mid_pull_fails_in_bounded_time_and_marks_inconsiste
     finally:
         ray.kill(trainer)
         ray.get(rank.reset.remote(0), timeout=60)  # free the 1 GiB
+
+
+# --------------------------------------------------------------------------- #
+# The same-node path (SGLANG_IPC) on CPU: process_vm_readv, NIXL as fall-back
+# --------------------------------------------------------------------------- #
+@pytest.fixture
+def ipc_pair(ray_client, toy_rank):
+    ray = ray_client
+    ray.get(toy_rank.reset.remote(0), timeout=60)
+    trainer = ToyTrainer.remote("SGLANG_IPC")
+    yield ray, toy_rank, trainer
+    ray.get(toy_rank.set_env.remote("SGLANG_RDT_CMA", None))
+    ray.kill(trainer)
+
+
+def test_ipc_pull_on_cpu_reads_the_senders_memory_in_place(ipc_pair):
+    ray, rank, trainer = ipc_pair
+    names, new = _new_weights(11)
+    ptrs = ray.get(rank.pointers.remote())
+    (ref,) = ray.get(trainer.put.remote(new))
+    stats = ray.get(rank.pull.remote([ref], names), timeout=60)
+    assert stats["transport"] == "cma"
+    assert stats["bytes"] == sum(t.nbytes for t in new)
+    state = ray.get(rank.state.remote())
+    assert all(torch.equal(state[n], t) for n, t in zip(names, new))
+    assert ray.get(rank.pointers.remote()) == ptrs
+
+
+def test_ipc_rejected_pull_leaves_every_weight_untouched(ipc_pair):
+    ray, rank, trainer = ipc_pair
+    names, new = _new_weights(12)
+    before = ray.get(rank.checksums.remote())
+    new[0] = torch.zeros(64, 32)  # wrong shape for '0.weight'
+    (ref,) = ray.get(trainer.put.remote(new))
+    with pytest.raises(Exception, match=r"layout mismatch for '0.weight'"):
+        ray.get(rank.pull.remote([ref], names), timeout=60)
+    assert ray.get(rank.checksums.remote()) == before
+
+
+def test_ipc_falls_back_to_nixl_with_the_reason(ipc_pair):
+    ray, rank, trainer = ipc_pair
+    ray.get(rank.set_env.remote("SGLANG_RDT_CMA", "0"))
+    names, new = _new_weights(13)
+    (ref,) = ray.get(trainer.put.remote(new))
+    stats = ray.get(rank.pull.remote([ref], names), timeout=60)
+    assert stats["transport"] == "nixl (SGLANG_RDT_CMA=0)"
+    state = ray.get(rank.state.remote())
+    assert all(torch.equal(state[n], t) for n, t in zip(names, new))

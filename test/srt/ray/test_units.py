@@ -550,3 +550,91 @@ def test_client_names_are_exported_lazily_from_the_package():
     assert issubclass(rdt.WeightSyncRankError, WeightSyncError) and rdt.WeightSyncRankError is WeightSyncRankError
     with pytest.raises(AttributeError):
         rdt.NoSuchThing
+
+
+# --------------------------------------------------------------------------- #
+# Cross-memory attach (the CPU half of the same-node path)
+# --------------------------------------------------------------------------- #
+def test_cma_split_keeps_order_and_bytes():
+    from sglang.srt.ray.rdt.cma import split_copies
+
+    copies = [(1000, 5000, 3 << 20), (9000, 70000, 1 << 20)]
+    parts = split_copies(copies, 2)
+    assert len(parts) == 2
+    assert [sum(c[2] for c in p) for p in parts] == [2 << 20, 2 << 20]
+    flat = [c for p in parts for c in p]
+    # contiguous pieces, in order, covering every byte once
+    assert flat[0] == (1000, 5000, 2 << 20) and flat[1] == (1000 + (2 << 20), 5000 + (2 << 20), 1 << 20)
+    assert flat[2] == (9000, 70000, 1 << 20)
+    assert split_copies([(0, 0, 100)], 4) == [[(0, 0, 100)]]  # small: one part
+
+
+def _child_holding(q, ev):
+    import os
+
+    t = torch.arange(3 * 2**18, dtype=torch.float32)  # 3 MiB
+    q.put((os.getpid(), t.data_ptr(), t.nbytes))
+    ev.wait(60)
+
+
+def test_cma_reads_another_process_and_reports_faults():
+    import errno
+    import multiprocessing as mp
+
+    from sglang.srt.ray.rdt.cma import CmaError, CmaReader, process_start_time
+
+    ctx = mp.get_context("fork")
+    q, ev = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_child_holding, args=(q, ev))
+    p.start()
+    try:
+        pid, addr, nbytes = q.get(timeout=60)
+        start = process_start_time(pid)
+        assert start is not None and start == process_start_time(pid)
+        reader = CmaReader(threads=2)
+        assert reader.probe(pid, addr) is None
+        dst = torch.zeros(nbytes // 4)
+        half = nbytes // 2
+        assert reader.read(pid, [(dst.data_ptr(), addr, half), (dst.data_ptr() + half, addr + half, nbytes - half)]) == nbytes
+        assert torch.equal(dst, torch.arange(3 * 2**18, dtype=torch.float32))
+        with pytest.raises(CmaError) as e:  # an address the sender never mapped
+            reader.read(pid, [(dst.data_ptr(), 8, 16)])
+        assert e.value.errno == errno.EFAULT and "not mapped in the sender" in str(e.value)
+        reader.close()
+    finally:
+        ev.set()
+        p.join(30)
+    assert process_start_time(pid) is None or process_start_time(pid) != start
+    why = CmaReader(threads=1).probe(pid, addr)
+    assert why is not None and "ESRCH" in why
+
+
+def test_cma_resumes_after_partial_reads(monkeypatch):
+    import ctypes
+
+    from sglang.srt.ray.rdt import cma
+
+    src = (ctypes.c_ubyte * 64)(*range(64))
+    dst = (ctypes.c_ubyte * 64)()
+    calls = []
+
+    def stingy_readv(pid, local, nl, remote, nr, flags):
+        # copy at most 10 bytes per call, across iovec boundaries, like a
+        # kernel that stops at a page it cannot pin
+        budget, done = 10, 0
+        for i in range(nl):
+            n = min(local[i].iov_len, budget - done)
+            if n <= 0:
+                break
+            ctypes.memmove(local[i].iov_base, remote[i].iov_base, n)
+            done += n
+            if n < local[i].iov_len:
+                break
+        calls.append(done)
+        return done
+
+    monkeypatch.setattr(cma, "_readv", lambda: stingy_readv)
+    base_d, base_s = ctypes.addressof(dst), ctypes.addressof(src)
+    copies = [(base_d, base_s, 25), (base_d + 25, base_s + 25, 14), (base_d + 39, base_s + 39, 25)]
+    assert cma._read_all(1, copies) == 64
+    assert bytes(dst) == bytes(range(64)) and len(calls) == 7

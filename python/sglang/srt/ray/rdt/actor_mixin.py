@@ -117,15 +117,16 @@ class RdtWeightSyncMixin:
         )
 
         add_weight_memory_listener(self.scheduler, self._rdt_receiver)
-        if self._rdt_device == "cuda":
-            # The same-node fast path; Ray pushes custom transports to new
-            # actors asynchronously, so register it here ourselves.
-            try:
-                from sglang.srt.ray.rdt import cuda_ipc_transport
+        # The same-node fast path (CUDA IPC for GPUs, process_vm_readv for
+        # CPU memory); Ray pushes custom transports to new actors
+        # asynchronously, so register it here ourselves.
+        self._rdt_transports = ["NIXL"]
+        try:
+            from sglang.srt.ray.rdt import cuda_ipc_transport
 
-                cuda_ipc_transport.register()
-            except Exception as e:
-                logger.warning("[RDT] CUDA IPC fast path unavailable, NIXL only: %s", e)
+            self._rdt_transports.append(cuda_ipc_transport.register())
+        except Exception as e:
+            logger.warning("[RDT] same-node fast path unavailable, NIXL only: %s", e)
 
     def _rank_labels(self) -> Dict[str, str]:
         try:
@@ -322,6 +323,7 @@ class RdtWeightSyncMixin:
         if self._rdt_receiver is not None:
             status.update(self._rdt_receiver.status())
             status["last_update"] = self._rdt_updates.last
+            status["transports"] = list(self._rdt_transports)
         status["event_loop"] = self._rdt_safe_point.state
         return status
 

@@ -173,6 +173,7 @@ class UpdateStats:
     begin_seconds: float
     end_seconds: float
     gbps: float
+    transport: str = "nixl"  # the path(s) the ranks' pulls took
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -183,7 +184,7 @@ class UpdateStats:
             f"rank{'s' if self.ranks != 1 else ''} in {len(self.buckets)} bucket"
             f"{'s' if len(self.buckets) != 1 else ''}: transfer {self.transfer_seconds:.3f} s "
             f"({self.gbps:.3f} GB/s), update {self.seconds:.3f} s, "
-            f"transport=nixl, weight_version={self.version}"
+            f"transport={self.transport}, weight_version={self.version}"
         )
 
 
@@ -242,6 +243,12 @@ class WeightSyncClient:
         sender: an existing ``BucketSender`` actor handle to use.
         sender_options: Ray ``.options()`` for the sender actor the client
             creates (default: ``num_cpus=0``; e.g. ``num_gpus=1`` for CUDA buckets).
+        transport: how buckets are put: ``"auto"`` (default: ``"SGLANG_IPC"``
+            when every rank accepts it, else ``"nixl"``), ``"SGLANG_IPC"`` (the
+            same-node fast path; its refs carry NIXL metadata too, so each rank
+            picks: CUDA IPC or process_vm_readv on the trainer's node, NIXL
+            elsewhere) or ``"nixl"``. Each pull reports the path it took
+            (``UpdateStats.transport``).
     """
 
     def __init__(
@@ -258,7 +265,10 @@ class WeightSyncClient:
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
         sender: Any = None,
         sender_options: Optional[Dict[str, Any]] = None,
+        transport: str = "auto",
     ):
+        if transport.lower() not in ("auto", "nixl", "sglang_ipc"):
+            raise ValueError(f"transport must be 'auto', 'nixl' or 'SGLANG_IPC', got {transport!r}")
         if not actors:
             raise WeightSyncError("no SchedulerActor handles given")
         if url is not None and engine is not None:
@@ -284,6 +294,7 @@ class WeightSyncClient:
         self._stuck: Dict[int, _Flight] = {}
         self._busy = threading.Lock()
         self.updates = 0
+        self.transport = transport.lower() if transport.lower() != "sglang_ipc" else "SGLANG_IPC"
 
     # ------------------------------------------------------------------ #
     # Construction
@@ -424,12 +435,23 @@ class WeightSyncClient:
     # ------------------------------------------------------------------ #
     # The sender
     # ------------------------------------------------------------------ #
+    def put_transport(self) -> str:
+        """The transport the client's sender puts with (``auto`` resolved
+        against what every rank accepts)."""
+        if self.transport == "auto":
+            accepted = [set(st.get("transports") or ["NIXL"]) for st in self.status()]
+            both = all("SGLANG_IPC" in a for a in accepted)
+            self.transport = "SGLANG_IPC" if both else "nixl"
+        return self.transport
+
     def _sender_handle(self):
         if self._sender is None:
             options = {"num_cpus": 0, **self._sender_options}
             if self.device.startswith("cuda"):
                 options.setdefault("num_gpus", 1)
-            self._sender = sender_actor_class().options(**options).remote(self.device, NUM_SLOTS)
+            self._sender = sender_actor_class().options(**options).remote(
+                self.device, NUM_SLOTS, transport=self.put_transport()
+            )
         return self._sender
 
     def _sender_call(self, method: str, *args):
@@ -613,6 +635,7 @@ class WeightSyncClient:
         wait_s = (pull_timeout or DEFAULT_PULL_TIMEOUT_S) + PULL_WAIT_MARGIN_S
         flights: Dict[int, _Flight] = {}  # slot -> flight
         buckets: List[BucketStats] = []
+        paths: List[str] = []  # transports the pulls took, in order seen
         session_id, opened = None, False
         t_begin = t_end = 0.0
 
@@ -649,6 +672,10 @@ class WeightSyncClient:
             self._sender_call("release", flight.slot, flight.token)
             del flights[flight.slot]
             rank_seconds = [float(results[r].get("seconds", 0.0)) for r, _ in flight.pulls]
+            for r, _ in flight.pulls:
+                for t in str(results[r].get("transport") or "").split(","):
+                    if t and t not in paths:
+                        paths.append(t)
             slowest = max(rank_seconds, default=0.0)
             stats = BucketStats(
                 index=flight.step.index, tensors=flight.step.tensors, bytes=flight.step.nbytes,
@@ -714,6 +741,7 @@ class WeightSyncClient:
             begin_seconds=t_begin,
             end_seconds=t_end,
             gbps=nbytes / transfer_seconds / 1e9 if transfer_seconds > 0 else 0.0,
+            transport=",".join(paths) or "none",
         )
         logger.info("[RDT] update: %s", stats.summary())
         return stats

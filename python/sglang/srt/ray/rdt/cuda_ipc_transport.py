@@ -1,14 +1,23 @@
-"""Same-node fast path for RDT weight sync: CUDA IPC + copy engine, NIXL otherwise.
+"""Same-node fast path for RDT weight sync: CUDA IPC + copy engine (GPU) or
+cross-memory attach (CPU), NIXL otherwise.
 
 A custom Ray Direct Transport (``ray.experimental.register_tensor_transport``)
 named ``SGLANG_IPC``. A sender puts its tensors with
 ``ray.put(tensors, _tensor_transport="SGLANG_IPC")``; the metadata of that ref
 carries two ways to read them:
 
-* CUDA IPC handles of the cudaMalloc segments that hold the tensors (plus each
-  tensor's offset in its segment), the sender's node id and GPU UUID;
+* GPU tensors: CUDA IPC handles of the cudaMalloc segments that hold the
+  tensors (plus each tensor's offset in its segment), the sender's node id and
+  GPU UUID; CPU tensors: the sender's pid, its process start time and each
+  tensor's address (read with ``process_vm_readv``, :mod:`.cma`);
 * the ordinary NIXL metadata of the same tensors (the sender's NIXL
   registrations are reused, so ``register_nixl_memory`` still pays off).
+
+CPU receivers on the sender's host read with a few threads
+(``SGLANG_RDT_CMA_THREADS``, default min(4, cores)); a read the kernel refuses
+(no ptrace rights: non-root containers, Yama) is detected with a one-byte probe
+before anything is written and goes through NIXL instead
+(``SGLANG_RDT_CMA=0`` turns the CPU path off).
 
 The receiver (``ray.get`` after ``set_target_for_ref``) picks automatically: a
 receiver on the sender's node that sees the sender's GPU maps the segments and
@@ -228,10 +237,9 @@ CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
 CU_MEM_LOCATION_TYPE_DEVICE = 0x1
 
 
-def memcpy_batch_async(drv: "_Driver", copies, stream: int, src_dev: int, dst_dev: int) -> None:
-    """All ``copies`` (dst, src, nbytes) with one cuMemcpyBatchAsync call."""
-    if drv.cuMemcpyBatchAsync is None:
-        raise CudaDriverError("cuMemcpyBatchAsync", -1, "not in this driver")
+def prepare_batch(copies, src_dev: int, dst_dev: int) -> tuple:
+    """The argument arrays of one cuMemcpyBatchAsync for ``copies`` (dst, src,
+    nbytes), built once and reused while the copies stay the same."""
     n = len(copies)
     dsts = (ctypes.c_uint64 * n)(*[c[0] for c in copies])
     srcs = (ctypes.c_uint64 * n)(*[c[1] for c in copies])
@@ -243,14 +251,27 @@ def memcpy_batch_async(drv: "_Driver", copies, stream: int, src_dev: int, dst_de
         0,
     )
     idx = (ctypes.c_size_t * 1)(0)
+    fail = ctypes.c_size_t(0)
+    # keep every ctypes object referenced with its pointers
+    return (dsts, srcs, sizes, n, attr, idx, fail)
+
+
+def launch_batch(drv: "_Driver", prepared: tuple, stream: int) -> None:
+    if drv.cuMemcpyBatchAsync is None:
+        raise CudaDriverError("cuMemcpyBatchAsync", -1, "not in this driver")
+    dsts, srcs, sizes, n, attr, idx, fail = prepared
     args = [ctypes.cast(dsts, ctypes.c_void_p), ctypes.cast(srcs, ctypes.c_void_p),
             ctypes.cast(sizes, ctypes.c_void_p), n, ctypes.cast(ctypes.pointer(attr), ctypes.c_void_p),
             ctypes.cast(idx, ctypes.c_void_p), 1]
     if not drv._batch_v2:
-        fail = ctypes.c_size_t(0)
         args.append(ctypes.cast(ctypes.pointer(fail), ctypes.c_void_p))
     args.append(ctypes.c_void_p(stream))
     drv.check("cuMemcpyBatchAsync", drv.cuMemcpyBatchAsync(*args))
+
+
+def memcpy_batch_async(drv: "_Driver", copies, stream: int, src_dev: int, dst_dev: int) -> None:
+    """All ``copies`` (dst, src, nbytes) with one cuMemcpyBatchAsync call."""
+    launch_batch(drv, prepare_batch(copies, src_dev, dst_dev), stream)
 
 
 # An SM copy kernel over all tensors at once (one launch instead of one copy
@@ -408,9 +429,21 @@ class IpcPart:
 
 
 @dataclass
+class CmaPart:
+    """CPU tensors readable with process_vm_readv by a process on this host."""
+
+    node_id: str
+    sender: str
+    pid: int
+    start_time: int  # the sender's /proc/<pid>/stat start time (pid reuse guard)
+    tensors: List[Tuple[int, int]]  # (address, nbytes) per tensor
+
+
+@dataclass
 class SglangIpcTransportMetadata(TensorTransportMetadata):  # type: ignore[misc]
     ipc: Optional[IpcPart] = None
     ipc_unavailable: Optional[str] = None
+    cma: Optional[CmaPart] = None
     nixl: Any = None  # a NixlTransportMetadata, or None
 
     __eq__ = object.__eq__
@@ -424,6 +457,22 @@ class _Mapping:
     ptr: int
     ordinal: int
     last_used: int
+
+
+@dataclass
+class _CopyPlan:
+    """A checked, mapped and planned pull, kept for the next identical one."""
+
+    key: tuple
+    generation: int
+    dst_ptrs: List[int]
+    segments: List[Tuple[int, int, bytes]]
+    tensors: List[Tuple[int, int, int]]
+    copies: int
+    queues: List[List[Tuple[int, int, int]]]
+    streams: list
+    batch: Optional[list]
+    mappings: List["_Mapping"]
 
 
 @dataclass
@@ -442,11 +491,13 @@ class FetchInfo:
     open_seconds: float = 0.0
     copy_seconds: float = 0.0
     seconds: float = 0.0
+    plan: str = ""  # "new" | "reused" (the last identical pull's checked copy plan)
 
 
 class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
     max_idle_fetches = 64
     max_senders = 4
+    max_plans = 16
 
     def __init__(self):
         self._token = uuid.uuid4().hex
@@ -465,10 +516,16 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
         self.cache_mappings = True
         self.last: Optional[FetchInfo] = None
         self.recent: "OrderedDict[str, FetchInfo]" = OrderedDict()  # by object id
-        self.counts = {"cuda_ipc": 0, "nixl": 0}
+        self.counts = {"cuda_ipc": 0, "cma": 0, "nixl": 0}
+        self._cma_reader = None
+        self._cma_denied: Dict[int, str] = {}  # sender pid -> why reading is refused
         self._warned: set = set()
         self._node_id: Optional[str] = None
         self._ordinals: Dict[str, Optional[int]] = {}
+        self._generation = 0  # bumped whenever a mapping closes
+        # checked copy plans of recent pulls (one per bucket buffer), reused
+        # when a pull is identical: same sender segments, same targets
+        self._plans: "OrderedDict[tuple, _CopyPlan]" = OrderedDict()
 
     def _ordinal(self, uuid_str: str) -> Optional[int]:
         if uuid_str not in self._ordinals:
@@ -507,6 +564,8 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
         )
         if not rdt_object:
             return meta
+        if device.type == "cpu":
+            return self._extract_cpu(obj_id, rdt_object, meta)
         if self.nixl_fallback or device.type != "cuda":
             # Synchronises the devices before registering, like a NIXL put.
             meta.nixl = self._nixl().extract_tensor_transport_metadata(obj_id, rdt_object)
@@ -527,6 +586,29 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
             meta.ipc_unavailable = f"CUDA IPC export failed: {e}"
             if meta.nixl is None:
                 raise
+        return meta
+
+    def _extract_cpu(self, obj_id: str, tensors, meta: "SglangIpcTransportMetadata"):
+        import ray
+
+        from sglang.srt.ray.rdt.cma import process_start_time
+
+        if any(t.device.type != "cpu" for t in tensors):
+            raise ValueError("All tensors in an RDT object must be on one device type.")
+        if any(not t.is_contiguous() for t in tensors):
+            raise ValueError("All tensors in an RDT object must be contiguous.")
+        meta.ipc_unavailable = "tensors on cpu"
+        if self.nixl_fallback:
+            meta.nixl = self._nixl().extract_tensor_transport_metadata(obj_id, tensors)
+        start = process_start_time(os.getpid())
+        if start is not None:
+            meta.cma = CmaPart(
+                node_id=ray.get_runtime_context().get_node_id(), sender=self._token,
+                pid=os.getpid(), start_time=start,
+                tensors=[(t.data_ptr(), t.numel() * t.element_size()) for t in tensors],
+            )
+        elif meta.nixl is None:
+            raise ValueError("/proc is not readable here and NIXL fall-back is off")
         return meta
 
     def _export(self, tensors, ordinal: int, node_id: str) -> IpcPart:
@@ -572,8 +654,20 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
         if not meta.tensor_meta:
             return []
         t0 = time.perf_counter()
-        why = self._ipc_unusable(meta, target_buffers)
-        if why is None:
+        if meta.cma is not None:
+            why = self._cma_unusable(meta, target_buffers)
+            if why is None:
+                try:
+                    info = FetchInfo(obj_id=obj_id, path="cma")
+                    out = self._recv_cma(meta, target_buffers, info)
+                    info.seconds = time.perf_counter() - t0
+                    self._done(info)
+                    return out
+                except _MappingFailed as e:  # refused before any byte moved
+                    why = str(e)
+        else:
+            why = self._ipc_unusable(meta, target_buffers)
+        if meta.cma is None and why is None:
             try:
                 info = FetchInfo(obj_id=obj_id, path="cuda_ipc")
                 out = self._recv_ipc(meta, target_buffers, info)
@@ -587,8 +681,8 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
                     raise RuntimeError(f"CUDA IPC fetch failed and the ref has no NIXL metadata: {why}") from e
         if meta.nixl is None:
             raise ValueError(
-                f"this {TRANSPORT_NAME} ref can only be read over CUDA IPC, which is not "
-                f"possible here ({why}); put it with SGLANG_RDT_IPC_NIXL_FALLBACK=1"
+                f"this {TRANSPORT_NAME} ref can only be read over same-node IPC, which is "
+                f"not possible here ({why}); put it with SGLANG_RDT_IPC_NIXL_FALLBACK=1"
             )
         if why not in self._warned:
             self._warned.add(why)
@@ -616,6 +710,74 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
 
         # An IPC copy is short and synchronous; only a NIXL read can be in flight.
         self._nixl().abort_transport(obj_id, NixlCommunicatorMetadata())
+
+    # -- receive CPU tensors with process_vm_readv ----------------------------- #
+    def _cma_unusable(self, meta: SglangIpcTransportMetadata, targets) -> Optional[str]:
+        import ray
+
+        from sglang.srt.ray.rdt.cma import process_start_time
+
+        cma = meta.cma
+        if os.environ.get("SGLANG_RDT_CMA", "1") == "0":
+            return "SGLANG_RDT_CMA=0"
+        if targets and any(t.device.type != "cpu" for t in targets):
+            return f"target buffers on {sorted({str(t.device) for t in targets})}"
+        if self._node_id is None:
+            self._node_id = ray.get_runtime_context().get_node_id()
+        if self._node_id != cma.node_id:
+            return "the sender is on another node"
+        if process_start_time(cma.pid) != cma.start_time:
+            return (
+                f"the sender process {cma.pid} is not visible from here (another PID "
+                "namespace?) or has exited"
+            )
+        return self._cma_denied.get(cma.pid)
+
+    def _recv_cma(self, meta: SglangIpcTransportMetadata, targets, info: FetchInfo):
+        import torch
+
+        from sglang.srt.ray.rdt.cma import CmaError, CmaReader, process_start_time
+
+        cma = meta.cma
+        if targets:
+            tensors = list(targets)
+        else:
+            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in meta.tensor_meta]
+        if len(tensors) != len(cma.tensors):
+            raise ValueError(
+                f"Length of tensor_buffers ({len(tensors)}) does not match length from object metadata ({len(cma.tensors)})."
+            )
+        for i, (t, (_, nbytes)) in enumerate(zip(tensors, cma.tensors)):
+            if t.nbytes != nbytes or not t.is_contiguous():
+                raise ValueError(f"target buffer {i} is not a contiguous buffer of {nbytes} bytes")
+        with self._lock:
+            if self._cma_reader is None:
+                self._cma_reader = CmaReader()
+            reader = self._cma_reader
+        copies = plan_copies([(t.data_ptr(), a, n) for t, (a, n) in zip(tensors, cma.tensors)])
+        info.tensors, info.bytes = len(tensors), sum(n for _, n in cma.tensors)
+        info.copies, info.streams, info.method = len(copies), reader.threads, "process_vm_readv"
+        if not copies:
+            return tensors
+        why = reader.probe(cma.pid, copies[0][1])
+        if why is not None:
+            # Nothing was written; remember it for this sender and use NIXL.
+            self._cma_denied[cma.pid] = why
+            raise _MappingFailed(why)
+        t1 = time.perf_counter()
+        try:
+            reader.read(cma.pid, copies)
+        except CmaError as e:
+            raise RuntimeError(
+                f"{TRANSPORT_NAME} CPU read from sender pid {cma.pid} broke mid-way: {e}"
+            ) from e
+        if process_start_time(cma.pid) != cma.start_time:
+            raise RuntimeError(
+                f"{TRANSPORT_NAME}: the sender process {cma.pid} exited during the read; "
+                "the bytes read cannot be trusted"
+            )
+        info.copy_seconds = time.perf_counter() - t1
+        return tensors
 
     # -- receive over CUDA IPC ---------------------------------------------- #
     def _ipc_unusable(self, meta: SglangIpcTransportMetadata, targets) -> Optional[str]:
@@ -665,33 +827,61 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
             raise ValueError(
                 f"Length of tensor_buffers ({len(tensors)}) does not match length from object metadata ({len(ipc.tensors)})."
             )
-        check_contiguous = not targets  # Ray already checked given targets (shape, dtype, contiguity)
-        for i, (t, (_, _, nbytes)) in enumerate(zip(tensors, ipc.tensors)):
-            if t.nbytes != nbytes or (check_contiguous and not t.is_contiguous()):
-                raise ValueError(f"target buffer {i} is not a contiguous buffer of {nbytes} bytes")
+        dst_ptrs = [t.data_ptr() for t in tensors]
         dst_ord = tensors[0].device.index
         src_ord = self._ordinal(ipc.device_uuid)
         engine_ord = src_ord if self.engine == "src" else dst_ord
         info.tensors, info.bytes = len(tensors), sum(n for _, _, n in ipc.tensors)
+        info.engine = self.engine
+        key = (ipc.sender, engine_ord, dst_ord, src_ord, self.method, self.nstreams)
 
         drv = driver()
         with self._lock:
             self._fetches += 1
             t0 = time.perf_counter()
-            if engine_ord != dst_ord:
-                drv.enable_peer_access(engine_ord, dst_ord)
-            mapped = self._map_segments(ipc, engine_ord, info)
+            pk = (key, dst_ptrs[0] if dst_ptrs else 0, len(dst_ptrs))
+            plan = self._plans.get(pk)
+            if not (
+                plan is not None and self.cache_mappings
+                and plan.generation == self._generation and plan.dst_ptrs == dst_ptrs
+                and plan.segments == ipc.segments and plan.tensors == ipc.tensors
+            ):
+                # Not a pull seen before: check, map and plan afresh.
+                self._plans.pop(pk, None)
+                check_contiguous = not targets  # Ray checked given targets
+                for i, (t, (_, _, nbytes)) in enumerate(zip(tensors, ipc.tensors)):
+                    if t.nbytes != nbytes or (check_contiguous and not t.is_contiguous()):
+                        raise ValueError(f"target buffer {i} is not a contiguous buffer of {nbytes} bytes")
+                if engine_ord != dst_ord:
+                    drv.enable_peer_access(engine_ord, dst_ord)
+                mapped = self._map_segments(ipc, engine_ord, info)
+                copies = plan_copies(
+                    [(d, mapped[seg] + off, n) for d, (seg, off, n) in zip(dst_ptrs, ipc.tensors)]
+                )
+                streams = self._streams_for(engine_ord)
+                queues = spread(copies, len(streams))
+                plan = _CopyPlan(
+                    key=key, generation=self._generation, dst_ptrs=dst_ptrs,
+                    segments=ipc.segments, tensors=ipc.tensors, copies=len(copies),
+                    queues=queues, streams=streams[: len(queues)],
+                    batch=[prepare_batch(q, src_ord, dst_ord) for q in queues]
+                    if self.method == "batch" else None,
+                    mappings=[self._mappings[(ipc.sender, base)] for base, _, _ in ipc.segments],
+                )
+                if self.cache_mappings:
+                    self._plans[pk] = plan
+                    while len(self._plans) > self.max_plans:
+                        self._plans.popitem(last=False)
+                info.plan = "new"
+            else:
+                # The same tensors from the same sender segments into the same
+                # targets, and no mapping closed since: reuse the plan.
+                info.reused = len(plan.mappings)
+                info.plan = "reused"
+                self._plans.move_to_end(pk)
+                self._touch_sender(ipc.sender)
             info.open_seconds = time.perf_counter() - t0
-            copies = plan_copies(
-                [
-                    (t.data_ptr(), mapped[seg] + off, n)
-                    for t, (seg, off, n) in zip(tensors, ipc.tensors)
-                ]
-            )
-            streams = self._streams_for(engine_ord)
-            queues = spread(copies, len(streams))
-            info.copies, info.streams = len(copies), len(queues)
-            info.engine, info.method = self.engine, self.method
+            info.copies, info.streams, info.method = plan.copies, len(plan.queues), self.method
             t1 = time.perf_counter()
             # The copies start after what the receiver already queued on its
             # device (same-process events: safe even across GPUs).
@@ -699,7 +889,7 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
             ready.record(torch.cuda.current_stream(dst_ord))
             drv.push(engine_ord)
             try:
-                for q, s in zip(queues, streams):
+                for i, (q, s) in enumerate(zip(plan.queues, plan.streams)):
                     s.wait_event(ready)
                     h = s.cuda_stream
                     if self.method == "kernel":
@@ -707,28 +897,38 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
                         continue
                     if self.method == "batch":
                         try:
-                            memcpy_batch_async(drv, q, h, src_ord, dst_ord)
+                            launch_batch(drv, plan.batch[i], h)
                             continue
                         except CudaDriverError as e:
                             # Validation failed before anything was queued;
                             # the copies are idempotent anyway.
                             logger.warning("[RDT] cuMemcpyBatchAsync refused (%s): one copy per tensor from now on", e)
                             self.method = info.method = "ce"
+                            self._plans.clear()
                     for dst, src, n in q:
                         drv.memcpy_async(dst, src, n, h)
             finally:
                 drv.pop()
-            for s in streams[: len(queues)]:
+            # Bookkeeping while the copy engine works.
+            for m in plan.mappings:
+                m.last_used = self._fetches
+            self._evict(keep_sender=ipc.sender, keep=plan.mappings)
+            for s in plan.streams:
                 s.synchronize()  # host-side: no cross-GPU event wait
             info.copy_seconds = time.perf_counter() - t1
-            self._evict(keep_sender=ipc.sender)
+            if not self.cache_mappings:
+                self._close_pending()
         return tensors
+
+    def _touch_sender(self, sender: str) -> None:
+        if not self._senders or self._senders[-1] != sender:
+            if sender in self._senders:
+                self._senders.remove(sender)
+            self._senders.append(sender)
 
     def _map_segments(self, ipc: IpcPart, ordinal: int, info: FetchInfo) -> List[int]:
         drv = driver()
-        if ipc.sender in self._senders:
-            self._senders.remove(ipc.sender)
-        self._senders.append(ipc.sender)
+        self._touch_sender(ipc.sender)
         out = []
         opened_now: List[Tuple[str, int]] = []
         drv.push(ordinal)
@@ -764,6 +964,8 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
         m = self._mappings.pop(key, None)
         if m is None:
             return
+        self._generation += 1  # a cached copy plan may point into it
+        self._plans.clear()
         drv = driver()
         drv.push(m.ordinal)
         try:
@@ -773,19 +975,22 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
         finally:
             drv.pop()
 
-    def _evict(self, keep_sender: str) -> None:
+    def _close_pending(self) -> None:
+        for k in getattr(self, "_pending_close", []):
+            self._close(k)
+        self._pending_close = []
+
+    def _evict(self, keep_sender: str, keep=()) -> None:
         if not self.cache_mappings:
-            for k in getattr(self, "_pending_close", []):
-                self._close(k)
-            self._pending_close = []
-            return
+            return  # closed after the copy (_close_pending)
         while len(self._senders) > self.max_senders:
             old = self._senders.pop(0)
             for k in [k for k in self._mappings if k[0] == old]:
                 self._close(k)
-        for k, m in list(self._mappings.items()):
-            if self._fetches - m.last_used > self.max_idle_fetches:
-                self._close(k)
+        if len(self._mappings) > len(keep):
+            for k, m in list(self._mappings.items()):
+                if self._fetches - m.last_used > self.max_idle_fetches:
+                    self._close(k)
 
     def close_all(self) -> int:
         with self._lock:

@@ -228,6 +228,7 @@ class RdtWeightReceiver:
         self._lock = threading.Lock()
         self._closed = False
         self._want_registered = False
+        self._registered_layout = None  # params' (data_ptr, numel) at the last sync
         self._weights_released = False
         # consistent | inconsistent
         self._state = "consistent"
@@ -259,6 +260,7 @@ class RdtWeightReceiver:
             params = [p.data for p in self._get_params().values()]
             warn_if_expandable_segments(params)
             changes = self._registrations.sync(params)
+            self._registered_layout = None
             self._want_registered = True
             dt = time.perf_counter() - t0
         logger.info(
@@ -280,6 +282,7 @@ class RdtWeightReceiver:
             return self._release_registrations()
 
     def _release_registrations(self) -> int:
+        self._registered_layout = None
         if self._registrations is None:
             return 0
         n = self._registrations.release_all()
@@ -299,6 +302,7 @@ class RdtWeightReceiver:
             self._weights_released = False
             if self._want_registered and self._registrations is not None:
                 self._registrations.sync([p.data for p in self._get_params().values()])
+                self._registered_layout = None
                 logger.info(
                     "[RDT] re-registered %d parameter storages after resume",
                     len(self._registrations),
@@ -387,8 +391,12 @@ class RdtWeightReceiver:
             params = self._get_params()
             targets = plan_pull(specs, names, params)
             if self._want_registered and self._registrations is not None:
-                # Post-load processing may have re-allocated parameters.
-                self._registrations.sync([p.data for p in params.values()])
+                # Post-load processing may have re-allocated parameters: sync
+                # the registrations when any parameter moved or resized.
+                layout = [(p.data_ptr(), p.numel()) for p in params.values()]
+                if layout != self._registered_layout:
+                    self._registrations.sync([p.data for p in params.values()])
+                    self._registered_layout = layout
             warn_if_expandable_segments([t for ts in targets for t in ts])
             nbytes = sum(t.numel() * t.element_size() for ts in targets for t in ts)
             ntensors = sum(len(ts) for ts in targets)

@@ -65,9 +65,13 @@ class BucketSender:
         device: where the slots live (``"cpu"`` or ``"cuda[:i]"``); put them
             where NIXL reads fastest for the ranks (GPU memory for GPU engines).
         num_slots: buffers kept (2 = fill one while ranks pull the other).
+        transport: the RDT transport of the puts: ``"SGLANG_IPC"`` (default:
+            the same-node fast path — CUDA IPC for GPU buckets, process_vm_readv
+            for CPU ones — whose refs also carry NIXL metadata, so ranks on
+            other nodes read them over NIXL) or ``"nixl"``.
         register, deregister, put: injection points for tests; default to
             ``ray.experimental.register_nixl_memory`` / ``deregister_nixl_memory``
-            and ``ray.put(tensors, _tensor_transport="nixl")``.
+            and ``ray.put(tensors, _tensor_transport=transport)``.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class BucketSender:
         device: str = "cpu",
         num_slots: int = NUM_SLOTS,
         *,
+        transport: str = "SGLANG_IPC",
         register: Optional[Callable[[torch.Tensor], None]] = None,
         deregister: Optional[Callable[[torch.Tensor], None]] = None,
         put: Optional[Callable[[List[torch.Tensor]], Any]] = None,
@@ -84,6 +89,11 @@ class BucketSender:
         self._device = torch.device(device)
         self._num_slots = num_slots
         self._register, self._deregister, self._put = register, deregister, put
+        self.transport = transport.upper()
+        if self.transport not in ("NIXL", "SGLANG_IPC"):
+            raise ValueError(f"transport must be 'nixl' or 'SGLANG_IPC', got {transport!r}")
+        if self.transport == "SGLANG_IPC" and put is None:
+            _import_ipc_transport().register()  # in this process, before any put
         self._slots: List[Optional[torch.Tensor]] = [None] * num_slots
         self._in_flight: List[Optional[str]] = [None] * num_slots
         self._closed = False
@@ -103,7 +113,7 @@ class BucketSender:
             return self._put(tensors)
         import ray
 
-        return ray.put(tensors, _tensor_transport="nixl")
+        return ray.put(tensors, _tensor_transport=self.transport)
 
     def _check_slot(self, slot: int) -> None:
         if self._closed:
@@ -245,6 +255,36 @@ class BucketSender:
                     n += 1
         self._closed = True
         return n
+
+
+def _import_ipc_transport():
+    """``sglang.srt.ray.rdt.cuda_ipc_transport``, without sglang's package
+    ``__init__`` when this process has not imported sglang (the sender actor:
+    sglang's top-level import costs seconds and the transport needs only torch
+    and ray). The module keeps its real name: the metadata classes it defines
+    are unpickled by that name on the ranks."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+    import types
+
+    name = "sglang.srt.ray.rdt.cuda_ipc_transport"
+    if name in sys.modules or "sglang" in sys.modules:
+        return importlib.import_module(name)
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return importlib.import_module(name)
+    root = list(spec.submodule_search_locations)[0]
+    parent = None
+    for pkg, sub in (("sglang", ""), ("sglang.srt", "srt"), ("sglang.srt.ray", os.path.join("srt", "ray"))):
+        m = types.ModuleType(pkg)
+        m.__path__ = [os.path.join(root, sub)]
+        sys.modules[pkg] = m
+        if parent is not None:
+            setattr(parent, pkg.rsplit(".", 1)[1], m)
+        parent = m
+    return importlib.import_module(name)
 
 
 _ACTOR_CLASS = None

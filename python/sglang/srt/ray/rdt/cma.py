@@ -1,0 +1,177 @@
+"""Cross-memory attach: copy CPU tensors straight out of another process on this host.
+
+``process_vm_readv(2)`` copies from another process's address space into ours
+in one kernel pass: no shared buffer, no staging copy, no network stack. It is
+the CPU half of the same-node fast path of RDT weight sync
+(:mod:`sglang.srt.ray.rdt.cuda_ipc_transport`, transport ``SGLANG_IPC``): the
+sender puts its tensors' addresses in the ref, a receiver on the same host
+reads them into the ``set_target_for_ref`` targets with a few threads.
+
+The kernel allows it when the reader may ptrace the sender: same user and no
+Yama restriction (``kernel.yama.ptrace_scope`` 0), or ``CAP_SYS_PTRACE`` (root
+in most containers; not in many non-root ones). :meth:`CmaReader.probe` tells
+before any byte moves, so a refused read falls back to NIXL cleanly.
+
+A pid can be reused once its process exits, so every read checks the sender's
+process start time (``/proc/<pid>/stat`` field 22) before and after copying.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as errno_mod
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional, Sequence, Tuple
+
+# Linux caps one call at IOV_MAX (1024) iovecs per side.
+IOV_MAX = 1024
+
+Copy = Tuple[int, int, int]  # (local destination, remote source, nbytes)
+
+
+class CmaError(RuntimeError):
+    def __init__(self, message: str, err: int = 0):
+        super().__init__(message)
+        self.errno = err
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = None
+_libc_lock = threading.Lock()
+
+
+def _readv():
+    global _libc
+    with _libc_lock:
+        if _libc is None:
+            lib = ctypes.CDLL(None, use_errno=True)
+            fn = lib.process_vm_readv
+            fn.argtypes = [
+                ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong,
+            ]
+            fn.restype = ctypes.c_ssize_t
+            _libc = fn
+        return _libc
+
+
+def process_start_time(pid: int) -> Optional[int]:
+    """Start time of ``pid`` in clock ticks since boot, or None if not visible."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19])  # field 22 overall
+
+
+def describe_errno(err: int) -> str:
+    name = errno_mod.errorcode.get(err, str(err))
+    hint = {
+        errno_mod.EPERM: "not permitted: the reader needs ptrace rights over the sender "
+        "(same user with kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE)",
+        errno_mod.ESRCH: "the sender process is gone",
+        errno_mod.EFAULT: "an address is not mapped in the sender (memory freed?)",
+        errno_mod.ENOSYS: "process_vm_readv is not available (seccomp?)",
+    }.get(err, os.strerror(err))
+    return f"process_vm_readv: {name}: {hint}"
+
+
+def split_copies(copies: Sequence[Copy], parts: int, min_bytes: int = 1 << 20) -> List[List[Copy]]:
+    """``copies`` as ``parts`` lists of about the same byte count, order kept;
+    a copy is cut where a part ends (never into pieces under ``min_bytes``)."""
+    total = sum(c[2] for c in copies)
+    parts = max(1, min(parts, total // max(min_bytes, 1) or 1))
+    share = -(-total // parts)
+    out: List[List[Copy]] = [[]]
+    room = share
+    for dst, src, n in copies:
+        while n > 0:
+            if room == 0 and len(out) < parts:
+                out.append([])
+                room = share
+            take = n if len(out) == parts else min(n, room)
+            out[-1].append((dst, src, take))
+            dst, src, n = dst + take, src + take, n - take
+            room = max(0, room - take)
+    return [p for p in out if p]
+
+
+class CmaReader:
+    """Reads (dst, src, nbytes) copies out of another process with N threads."""
+
+    def __init__(self, threads: Optional[int] = None):
+        if threads is None:
+            threads = int(os.environ.get("SGLANG_RDT_CMA_THREADS", "0")) or min(4, os.cpu_count() or 1)
+        self.threads = max(1, threads)
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+
+    def probe(self, pid: int, src: int) -> Optional[str]:
+        """None if one byte at ``src`` can be read from ``pid``, else why not."""
+        scratch = ctypes.create_string_buffer(1)
+        local = _IoVec(ctypes.cast(scratch, ctypes.c_void_p), 1)
+        remote = _IoVec(src, 1)
+        got = _readv()(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got == 1:
+            return None
+        return describe_errno(ctypes.get_errno())
+
+    def read(self, pid: int, copies: Sequence[Copy]) -> int:
+        """Copy everything; raise :class:`CmaError` if any part fails."""
+        parts = split_copies(copies, self.threads)
+        if len(parts) <= 1:
+            return sum(_read_all(pid, p) for p in parts)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="sglang-cma")
+            futures = [self._pool.submit(_read_all, pid, p) for p in parts]
+            return sum(f.result() for f in futures)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+def _read_all(pid: int, copies: Sequence[Copy]) -> int:
+    """One thread's share: batches of up to IOV_MAX pairs, resuming after
+    partial reads (the kernel may stop early at a page it cannot pin)."""
+    readv = _readv()
+    done = 0
+    pending = [list(c) for c in copies if c[2]]
+    while pending:
+        batch = pending[:IOV_MAX]
+        n = len(batch)
+        local = (_IoVec * n)(*[_IoVec(d, k) for d, _, k in batch])
+        remote = (_IoVec * n)(*[_IoVec(s, k) for _, s, k in batch])
+        want = sum(k for _, _, k in batch)
+        got = readv(pid, local, n, remote, n, 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise CmaError(f"{describe_errno(err)} (after {done} bytes)", err)
+        if got == 0:
+            raise CmaError(f"process_vm_readv made no progress after {done} bytes", errno_mod.EIO)
+        done += got
+        if got == want:
+            del pending[:n]
+            continue
+        # Drop the pairs that landed whole, shorten the one that landed in part.
+        left = got
+        i = 0
+        while left >= batch[i][2]:
+            left -= batch[i][2]
+            i += 1
+        batch[i][0] += left
+        batch[i][1] += left
+        batch[i][2] -= left
+        del pending[:i]
+    return done

@@ -287,6 +287,23 @@ def test_double_buffering_never_changes_a_bucket_while_a_slow_rank_reads_it(toy)
     assert [ray.get(r.log.remote())["finalized"][-1] for r in toy.ranks] == ["db-1", "db-1"]
 
 
+@pytest.mark.parametrize("transport", ["SGLANG_IPC", "nixl"])
+def test_local_sender_keeps_buckets_in_the_callers_process(toy, transport):
+    ray = toy.ray
+    ray.get([r.configure.remote(delay_s=0.0, fail=None) for r in toy.ranks])
+    weights = new_weights(seed=31 if transport == "nixl" else 32)
+    with WeightSyncClient(toy.ranks, names=toy.names, sender="local", bucket_bytes=5000,
+                          transport=transport) as client:
+        stats = client.update(weights, version=f"local-{transport}")
+        assert client._sender.state()["allocations"] == 1  # both slots, in this process
+        assert client._sender.in_flight() == [None, None]
+    assert_ranks_hold(toy, weights)
+    assert stats.transport == ("cma" if transport == "SGLANG_IPC" else "nixl")
+    assert [ray.get(r.log.remote())["finalized"][-1] for r in toy.ranks] == [f"local-{transport}"] * 2
+    with pytest.raises(ValueError, match="sender must be an actor handle or 'local'"):
+        WeightSyncClient(toy.ranks, sender="remote")
+
+
 def test_auto_transport_needs_every_rank_to_accept_the_fast_path(toy):
     client = toy_client(toy)
     assert client.transport == "auto" and client.put_transport() == "SGLANG_IPC"

@@ -240,7 +240,11 @@ class WeightSyncClient:
             engine's ``--rdt-pull-timeout``).
         lease_s: the engine aborts a session not ended within this many seconds.
         call_timeout_s: bound on every other call (register, layout, session).
-        sender: an existing ``BucketSender`` actor handle to use.
+        sender: an existing ``BucketSender`` actor handle to use, or
+            ``"local"``: keep the buckets in this process (which must be a Ray
+            actor or driver that may ``ray.put`` with a tensor transport) —
+            the fast choice for GPU trainers, whose tensors then never leave
+            the GPU (with the default sender actor they are pickled to it).
         sender_options: Ray ``.options()`` for the sender actor the client
             creates (default: ``num_cpus=0``; e.g. ``num_gpus=1`` for CUDA buckets).
         transport: how buckets are put: ``"auto"`` (default: ``"SGLANG_IPC"``
@@ -286,8 +290,15 @@ class WeightSyncClient:
         self.pull_timeout_s = pull_timeout_s
         self.lease_s = float(lease_s)
         self.call_timeout_s = float(call_timeout_s)
+        self._own_sender = sender is None or isinstance(sender, str)
+        if isinstance(sender, str):
+            if sender != "local":
+                raise ValueError(f"sender must be an actor handle or 'local', got {sender!r}")
+            sender = None
+            self._local_sender = True
+        else:
+            self._local_sender = False
         self._sender = sender
-        self._own_sender = sender is None
         self._sender_options = dict(sender_options or {})
         self._sender_bytes = 0
         self._layouts: Optional[List[Dict[str, Dict[str, Any]]]] = None
@@ -445,6 +456,10 @@ class WeightSyncClient:
         return self.transport
 
     def _sender_handle(self):
+        if self._sender is None and self._local_sender:
+            from sglang.srt.ray.rdt.sender import BucketSender
+
+            self._sender = BucketSender(self.device, NUM_SLOTS, transport=self.put_transport())
         if self._sender is None:
             options = {"num_cpus": 0, **self._sender_options}
             if self.device.startswith("cuda"):
@@ -457,9 +472,11 @@ class WeightSyncClient:
     def _sender_call(self, method: str, *args):
         import ray
 
-        ref = getattr(self._sender_handle(), method).remote(*args)
+        sender = self._sender_handle()
         try:
-            return ray.get(ref, timeout=self.call_timeout_s)
+            if self._local_sender:
+                return getattr(sender, method)(*args)
+            return ray.get(getattr(sender, method).remote(*args), timeout=self.call_timeout_s)
         except Exception as e:
             cause = _unwrap(e)
             raise WeightSyncError(
@@ -778,7 +795,8 @@ class WeightSyncClient:
             try:
                 self._sender_call("close")
             finally:
-                ray.kill(self._sender)
+                if not self._local_sender:
+                    ray.kill(self._sender)
         self._sender = None
         self._sender_bytes = 0
 

@@ -704,6 +704,132 @@ def cpu_ceilings(specs, reps: int) -> Dict[str, Any]:
     return out
 
 
+@ray.remote(num_cpus=0, max_concurrency=2, enable_tensor_transport=True)
+class ClientRank(_Side):
+    """A rollout rank as ``WeightSyncClient`` sees it: the SchedulerActor's
+    weight-sync API over the same ``RdtWeightReceiver``. ``finalize`` ends the
+    update as the engine does (cached IPC mappings closed), so every update's
+    first bucket re-opens them."""
+
+    def __init__(self, specs, device_kind):
+        self._setup(specs, device_kind, True)
+        from sglang.srt.ray.rdt.receiver import RdtWeightReceiver
+
+        params = dict(zip(self.names, self.tensors))
+        self.receiver = RdtWeightReceiver(
+            lambda: params, device=self.device if self.device.type == "cuda" else None,
+            pull_timeout_s=120.0,
+        )
+        self.pulls: List[Dict[str, Any]] = []
+
+    def register_weight_for_rdt(self):
+        return self.receiver.register()
+
+    def get_parameter_layout(self):
+        return {n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                    "data_ptr": t.data_ptr()} for n, t in zip(self.names, self.tensors)}
+
+    def get_parallelism_config(self):
+        return {"rank": 0, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+                "device": self.device.type}
+
+    def get_weight_sync_status(self):
+        return {**self.receiver.status(), "transports": ["NIXL", "SGLANG_IPC"]}
+
+    def pull_weights(self, refs, names, timeout=None):
+        stats = self.receiver.pull(refs, names, timeout)
+        self.pulls.append(stats)
+        return stats
+
+    def finalize_weight_update(self, weight_version=None, flush_cache=True):
+        self.receiver.mark_consistent()
+        self.receiver.end_of_update()
+        return {"success": True, "weight_version": weight_version}
+
+    def abort_weight_update(self, reason="aborted"):
+        self.receiver.end_of_update()
+        return self.receiver.status()
+
+    def poison(self, seed: int):
+        self.pattern.fill(self.tensors, seed + 7919)
+        sync(self.device)
+        return True
+
+    def verify(self, seed: int):
+        sync(self.device)
+        bad = self.pattern.check(self.tensors, seed)
+        return {"ok": not bad, "bad": [self.names[i] for i in bad[:5]], "nbad": len(bad)}
+
+    def take_pulls(self):
+        out, self.pulls = self.pulls, []
+        return out
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class ClientTrainer(_Side):
+    """A trainer process holding the new weights, driving WeightSyncClient with
+    its buckets in this process (``sender="local"``)."""
+
+    def __init__(self, specs, device_kind):
+        self._setup(specs, device_kind, True)
+
+    def run(self, rank, transport: str, bucket_bytes: int, rounds: int, seed0: int):
+        from sglang.srt.ray.rdt.client import WeightSyncClient
+
+        client = WeightSyncClient(
+            [rank], names=["bench-rank"], sender="local", device=str(self.device),
+            bucket_bytes=bucket_bytes, transport=transport,
+        )
+        t0 = time.perf_counter()
+        client.register()
+        register_s = time.perf_counter() - t0
+        out = []
+        try:
+            for r in range(rounds):
+                seed = seed0 + r
+                self.pattern.fill(self.tensors, seed)
+                sync(self.device)
+                ray.get(rank.poison.remote(seed))
+                stats = client.update(dict(zip(self.names, self.tensors)), version=f"b{r}")
+                d = stats.as_dict()
+                d["nbuckets"] = len(d.pop("buckets"))
+                d["check"] = ray.get(rank.verify.remote(seed))
+                d["rank_pulls"] = [
+                    {k: p.get(k) for k in ("fetch_seconds", "seconds", "bytes", "transport")}
+                    for p in ray.get(rank.take_pulls.remote())
+                ]
+                out.append(d)
+        finally:
+            client.close()
+        return {"register_seconds": register_s, "updates": out}
+
+
+def run_client(wname: str, specs, args, log) -> Dict[str, Any]:
+    """WeightSyncClient end to end: a trainer actor on one device, a rank on the other."""
+    cuda = args.device == "cuda"
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if cuda else {}
+    if os.environ.get(SRC_ENV):
+        env[SRC_ENV] = os.environ[SRC_ENV]
+    opts = {"num_gpus": 1 if cuda else 0, "runtime_env": {"env_vars": env}}
+    out: Dict[str, Any] = {"bucket_bytes": int(args.client_bucket_mib * MiB)}
+    trainer = ClientTrainer.options(**opts).remote(specs, args.device)
+    rank = ClientRank.options(**opts).remote(specs, args.device)
+    try:
+        out["placement"] = {"trainer": get(trainer.where.remote()), "rank": get(rank.where.remote())}
+        for j, transport in enumerate(("SGLANG_IPC", "nixl")):
+            res = get(trainer.run.remote(rank, transport, out["bucket_bytes"], 1 + args.steady, 900 + 20 * j),
+                      timeout=900)
+            out[transport] = res
+            for i, u in enumerate(res["updates"]):
+                log(f"  client update {i} ({transport}): {u['gbps']:.1f} GB/s transfer, "
+                    f"{u['bytes'] / u['seconds'] / GB:.1f} GB/s whole update, {u['nbuckets']} buckets, "
+                    f"transport={u['transport']} bytes_ok={u['check']['ok']}")
+    finally:
+        ray.kill(trainer)
+        ray.kill(rank)
+    return out
+
+
 # --------------------------------------------------------------------------- #
 # Driver
 # --------------------------------------------------------------------------- #
@@ -846,6 +972,9 @@ def run_workload(wname: str, specs, args, log) -> Dict[str, Any]:
     finally:
         ray.kill(sender)
         ray.kill(receiver)
+    if "client" in args.paths:
+        log(f"[{wname}] WeightSyncClient updates ...")
+        section("client", lambda: res.__setitem__("client", run_client(wname, specs, args, log)))
     return res
 
 
@@ -926,6 +1055,20 @@ def summarize(res: Dict[str, Any], device: str) -> Dict[str, Any]:
         med = statistics.median(p["fetch_seconds"] for p in pulls)
         rows.append((f"pull, SGLANG_IPC, handles re-opened (median of {len(pulls)})", _gbps(nbytes, med),
                      max((p.get("peak_extra_bytes") or 0) for p in pulls), all(p["check"]["ok"] for p in pulls)))
+    cl = res.get("client") or {}
+    for transport in ("SGLANG_IPC", "nixl"):
+        ups = (cl.get(transport) or {}).get("updates") or []
+        if not ups:
+            continue
+        steady = ups[1:] or ups
+        mib = cl["bucket_bytes"] // MiB
+        path = ",".join(sorted({u["transport"] for u in steady}))
+        label = f"WeightSyncClient.update, {transport} ({path}), {mib} MiB buckets"
+        rows.append((f"{label}, first", ups[0]["gbps"], None, ups[0]["check"]["ok"]))
+        rows.append((f"{label}, median of {len(steady)}", statistics.median(u["gbps"] for u in steady),
+                     None, all(u["check"]["ok"] for u in steady)))
+        rows.append(("  same, whole update() incl. session/finalize",
+                     statistics.median(u["bytes"] / u["seconds"] / GB for u in steady), None, None))
     return {"rows": rows, "ref_per_tensor": ref_per, "ref_one_tensor": ref_one}
 
 
@@ -1033,7 +1176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--uniform", default=None, help="NxMiB, default 256x32 (cuda) / 16x4 (cpu)")
     ap.add_argument("--model", default=None, help="preset (qwen3-4b, tiny) or a config dir; default qwen3-4b (cuda) / tiny (cpu)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    ap.add_argument("--paths", default=None, help="comma list of pull,nccl,ipc (default: all that apply)")
+    ap.add_argument("--paths", default=None, help="comma list of pull,nccl,ipc,client (default: all that apply; client only on cuda)")
     ap.add_argument("--steady", type=int, default=5, help="steady pulls after the cold one")
     ap.add_argument("--reps", type=int, default=5, help="repetitions of each ceiling copy")
     ap.add_argument("--ceiling-streams", default="1,4", help="copy-engine ceiling stream counts")
@@ -1043,13 +1186,15 @@ def main(argv=None) -> int:
                     help="SGLANG_IPC engine:streams:method (method: ce, batch, kernel); the first is the "
                     "headline (cold + steady), the others run 1 + --variant-rounds pulls each")
     ap.add_argument("--variant-rounds", type=int, default=3)
+    ap.add_argument("--client-bucket-mib", type=float, default=1024,
+                    help="bucket size of the WeightSyncClient path (paths: client)")
     ap.add_argument("--skip-ceiling", action="store_true")
     ap.add_argument("--actor-env", action="append", default=[], help="KEY=VALUE for both actors (repeatable)")
     ap.add_argument("--json-out", default=None, help="write all numbers here (default $OUT/bench_pull.json if OUT is set)")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     args.workloads = (args.workloads or ("uniform,model" if cuda else "uniform")).split(",")
-    args.paths = (args.paths or ("pull,nccl,ipc" if cuda else "pull,ipc")).split(",")
+    args.paths = (args.paths or ("pull,nccl,ipc,client" if cuda else "pull,ipc")).split(",")
     args.ceiling_streams = [int(x) for x in args.ceiling_streams.split(",") if x]
     uni = args.uniform or ("256x32" if cuda else "16x4")
     n_uni, mib_uni = uni.lower().split("x")

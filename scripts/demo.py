@@ -222,7 +222,7 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     say("RDT weight sync demo: a trainer job pushes weights into a running SGLang engine "
-        "over Ray Direct Transport (NIXL), on CPU.")
+        "over Ray Direct Transport (same-host fast path, NIXL otherwise), on CPU.")
     demo = Demo(args.keep_logs)
     ok = False
     try:

@@ -146,8 +146,8 @@ def main() -> int:
         )
         print(f"    synced  {stats.tensors} tensors, {stats.bytes / 2**20:.2f} MiB in "
               f"{stats.transfer_seconds:.3f} s ({stats.gbps:.4f} GB/s) over "
-              f"{len(stats.buckets)} buckets; whole update incl. pause/finalize "
-              f"{stats.seconds:.3f} s", flush=True)
+              f"{len(stats.buckets)} buckets (transport={stats.transport}); whole update "
+              f"incl. pause/finalize {stats.seconds:.3f} s", flush=True)
         ids, text, version = rollout()
         same = ids == trainer_greedy()
         mismatches += not same

@@ -2,8 +2,9 @@
 
 ``benchmark/rdt_weight_sync/bench_pull.py --device cpu`` runs the receiver's
 real pull path (``RdtWeightReceiver`` in one Ray actor, NIXL over DRAM from a
-sender actor) and the ``SGLANG_IPC`` transport's automatic fall-back to NIXL
-(CPU tensors), against memcpy, on the session's Ray head. Tiny sizes: this
+sender actor) and the ``SGLANG_IPC`` transport's CPU path (process_vm_readv
+from the sender's memory, with 1 and 2 reader threads), against memcpy, on the
+session's Ray head. Tiny sizes: this
 checks that the tool works and its byte check passes, not the figures.
 """
 
@@ -47,16 +48,20 @@ def test_bench_pull_cpu_mode_checks_bytes_and_prints_figures(ray_head, tmp_path)
         assert p["fetch_seconds"] > 0 and p["transport"] == "nixl"
     assert pulls[0]["stages"]["load_remote_metadata"] > 0  # stage timers ran
 
-    ipc = w.get("ipc")
-    if ipc is not None:  # the transport module is importable: CPU tensors go through NIXL
-        assert all(p["check"]["ok"] for p in ipc)
-        assert {p["transport"] for p in ipc} == {"SGLANG_IPC/nixl"}
-        assert ipc[0]["ipc"]["reason"] == "tensors on cpu"
+    ipc = w["ipc"]  # same host, CPU tensors: read with process_vm_readv
+    assert len(ipc) == 3 and all(p["check"]["ok"] for p in ipc)
+    assert {p["transport"] for p in ipc} == {"SGLANG_IPC/cma"}
+    assert ipc[0]["ipc"]["method"] == "process_vm_readv" and ipc[0]["ipc"]["bytes"] == 8 * 2**20
+    assert w["ipc_config"]["streams"] == min(4, os.cpu_count())  # default reader threads
+    variants = w["ipc_variants"]  # then 1 and 2 threads, where not the default
+    assert set(variants) == {f"cma:{k}:cma" for k in (1, 2) if k != min(4, os.cpu_count())}
+    assert all(p["check"]["ok"] and p["transport"] == "SGLANG_IPC/cma" for v in variants.values() for p in v)
 
     ceiling = w["ceiling"]
     assert ceiling["memcpy_per_tensor_1thread"]["seconds"] > 0
 
     # The printed table and stage breakdown.
     for text in ("memcpy per tensor 1thread", "pull, NIXL cold", "pull, NIXL steady",
+                 "pull, SGLANG_IPC (process_vm_readv, 1 thr)",
                  "handshake: add_remote_agent", "copy: post transfer"):
         assert text in proc.stdout, text

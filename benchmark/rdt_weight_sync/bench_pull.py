@@ -792,7 +792,10 @@ class ClientTrainer(_Side):
                 ray.get(rank.poison.remote(seed))
                 stats = client.update(dict(zip(self.names, self.tensors)), version=f"b{r}")
                 d = stats.as_dict()
-                d["nbuckets"] = len(d.pop("buckets"))
+                bs = d.pop("buckets")
+                d["nbuckets"] = len(bs)
+                d["fill_seconds_mean"] = statistics.mean(b["fill_seconds"] for b in bs)
+                d["bucket_pull_seconds_mean"] = statistics.mean(b["pull_seconds"] for b in bs)
                 d["check"] = ray.get(rank.verify.remote(seed))
                 d["rank_pulls"] = [
                     {k: p.get(k) for k in ("fetch_seconds", "seconds", "bytes", "transport")}
@@ -810,6 +813,7 @@ def run_client(wname: str, specs, args, log) -> Dict[str, Any]:
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if cuda else {}
     if os.environ.get(SRC_ENV):
         env[SRC_ENV] = os.environ[SRC_ENV]
+    env.update(dict(kv.split("=", 1) for kv in args.actor_env))
     opts = {"num_gpus": 1 if cuda else 0, "runtime_env": {"env_vars": env}}
     out: Dict[str, Any] = {"bucket_bytes": int(args.client_bucket_mib * MiB)}
     trainer = ClientTrainer.options(**opts).remote(specs, args.device)
@@ -1189,7 +1193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--client-bucket-mib", type=float, default=1024,
                     help="bucket size of the WeightSyncClient path (paths: client)")
     ap.add_argument("--skip-ceiling", action="store_true")
-    ap.add_argument("--actor-env", action="append", default=[], help="KEY=VALUE for both actors (repeatable)")
+    ap.add_argument("--actor-env", action="append", default=[], help="KEY=VALUE for the actors of every path (repeatable)")
     ap.add_argument("--json-out", default=None, help="write all numbers here (default $OUT/bench_pull.json if OUT is set)")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"

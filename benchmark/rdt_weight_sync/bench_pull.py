@@ -738,6 +738,12 @@ class ClientRank(_Side):
 
     def pull_weights(self, refs, names, timeout=None):
         stats = self.receiver.pull(refs, names, timeout)
+        from sglang.srt.ray.rdt import cuda_ipc_transport
+
+        info = cuda_ipc_transport.fetch_info(refs[0])
+        if info is not None:
+            stats = {**stats, "ipc": {k: getattr(info, k) for k in (
+                "path", "opened", "reused", "open_seconds", "copy_seconds", "seconds", "plan")}}
         self.pulls.append(stats)
         return stats
 
@@ -745,6 +751,9 @@ class ClientRank(_Side):
         self.receiver.mark_consistent()
         self.receiver.end_of_update()
         return {"success": True, "weight_version": weight_version}
+
+    def release_weight_sync_mappings(self, sender_token=None):
+        return self.receiver.release_sender(sender_token)
 
     def abort_weight_update(self, reason="aborted"):
         self.receiver.end_of_update()
@@ -798,7 +807,7 @@ class ClientTrainer(_Side):
                 d["bucket_pull_seconds_mean"] = statistics.mean(b["pull_seconds"] for b in bs)
                 d["check"] = ray.get(rank.verify.remote(seed))
                 d["rank_pulls"] = [
-                    {k: p.get(k) for k in ("fetch_seconds", "seconds", "bytes", "transport")}
+                    {k: p.get(k) for k in ("fetch_seconds", "seconds", "plan_seconds", "bytes", "transport", "ipc")}
                     for p in ray.get(rank.take_pulls.remote())
                 ]
                 out.append(d)

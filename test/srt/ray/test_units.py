@@ -638,3 +638,49 @@ def test_cma_resumes_after_partial_reads(monkeypatch):
     copies = [(base_d, base_s, 25), (base_d + 25, base_s + 25, 14), (base_d + 39, base_s + 39, 25)]
     assert cma._read_all(1, copies) == 64
     assert bytes(dst) == bytes(range(64)) and len(calls) == 7
+
+
+def test_ipc_mappings_of_persistent_buffers_survive_the_end_of_an_update(monkeypatch):
+    from sglang.srt.ray.rdt import cuda_ipc_transport as cit
+
+    closed = []
+
+    class FakeDriver:
+        def push(self, ordinal):
+            pass
+
+        def pop(self):
+            pass
+
+        def ipc_close(self, ptr):
+            closed.append(ptr)
+
+    monkeypatch.setattr(cit, "driver", lambda: FakeDriver())
+    t = cit.SglangIpcTransport()
+    t._mappings = {
+        ("trainer-a", 0x1000): cit._Mapping(b"a", 1 << 30, 0xA000, 1, 0, persistent=True),
+        ("trainer-a", 0x2000): cit._Mapping(b"b", 1 << 20, 0xB000, 1, 0, persistent=False),
+        ("trainer-b", 0x1000): cit._Mapping(b"c", 1 << 30, 0xC000, 1, 0, persistent=True),
+    }
+    t._senders = ["trainer-a", "trainer-b"]
+    t._plans["some"] = object()
+    gen = t._generation
+    # end of an update: the trainer may free what it put, but not its
+    # persistent bucket slots (it releases those through the ranks first)
+    assert t.close_all(keep_persistent=True) == 1
+    assert closed == [0xB000] and set(t._mappings) == {("trainer-a", 0x1000), ("trainer-b", 0x1000)}
+    assert t._generation > gen and not t._plans  # no copy plan may point into a closed mapping
+    # the client of trainer-a closes: only its mappings go
+    assert t.release_sender("trainer-a") == 1
+    assert closed == [0xB000, 0xA000] and set(t._mappings) == {("trainer-b", 0x1000)}
+    assert t._senders == ["trainer-b"]
+    # engine shutdown: everything
+    assert t.close_all() == 1 and closed[-1] == 0xC000 and not t._mappings and not t._senders
+
+
+def test_ipc_part_is_persistent_only_when_every_segment_was_declared():
+    from sglang.srt.ray.rdt import cuda_ipc_transport as cit
+
+    part = cit.IpcPart(node_id="n", sender="s", pid=1, device_uuid="GPU-x", segments=[], tensors=[])
+    assert part.persistent is False  # refs of ordinary tensors: mappings closed after every update
+    assert cit.mark_persistent(torch.zeros(4)) is False  # CPU tensors have no CUDA segment

@@ -392,6 +392,13 @@ class RdtWeightSyncMixin:
             for name, p in model.named_parameters()
         }
 
+    def release_weight_sync_mappings(self, sender_token: Optional[str] = None) -> int:
+        """Close this rank's cached CUDA IPC mappings of one trainer process's
+        memory (``sender_token``; every sender: ``None``). A trainer calls it
+        before it frees buckets it declared persistent (``WeightSyncClient``
+        does, on close and when its buckets grow). Returns how many closed."""
+        return self._receiver().release_sender(sender_token)
+
     def shutdown_weight_sync(self) -> int:
         """Release NIXL registrations; later pulls are refused."""
         if self._rdt_receiver is None:

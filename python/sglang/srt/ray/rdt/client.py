@@ -486,8 +486,38 @@ class WeightSyncClient:
     def _prepare_sender(self, buffer_bytes: int) -> None:
         self._reclaim_stuck()
         if buffer_bytes > self._sender_bytes:
+            if self._sender_bytes:
+                self._release_rank_mappings()  # the old slots are about to be freed
             state = self._sender_call("prepare", buffer_bytes)
             self._sender_bytes = state["slot_bytes"]
+
+    def _release_rank_mappings(self) -> None:
+        """Make every rank close its cached CUDA IPC mappings of the sender's
+        slots before they are freed (the slots are declared persistent, so
+        ranks keep those mappings between updates). Best effort per rank."""
+        import ray
+
+        if not self.device.startswith("cuda") or self._sender is None:
+            return
+        try:
+            token = self._sender_call("ipc_sender_token")
+        except Exception as e:
+            logger.debug("[RDT] sender has no IPC identity: %s", e)
+            return
+        if token is None:
+            return
+        calls = []
+        for r in self.ranks:
+            try:
+                calls.append((r, r.actor.release_weight_sync_mappings.remote(token)))
+            except AttributeError:  # an actor without the method (older engine)
+                pass
+        for r, ref in calls:
+            try:
+                ray.get(ref, timeout=self.call_timeout_s)
+            except Exception as e:
+                logger.warning("[RDT] %s did not release its mappings of the buckets: %s",
+                               r.label(), _describe(_unwrap(e)))
 
     def _reclaim_stuck(self) -> None:
         """Free slots a failed update left in flight, once their pulls are over."""
@@ -793,6 +823,7 @@ class WeightSyncClient:
             return
         if self._own_sender:
             try:
+                self._release_rank_mappings()
                 self._sender_call("close")
             finally:
                 if not self._local_sender:

@@ -147,11 +147,17 @@ def warn_if_expandable_segments(tensors, snapshot=None, *, once: bool = True) ->
     return False
 
 
-def close_cached_mappings() -> int:
+def close_cached_mappings(keep_persistent: bool = False, sender: Optional[str] = None) -> int:
+    """Close cached CUDA IPC mappings of trainer memory: all, all but those of
+    persistent sender buffers, or those of one ``sender``."""
     import sys
 
     mod = sys.modules.get("sglang.srt.ray.rdt.cuda_ipc_transport")
-    return mod.close_ipc_mappings() if mod is not None else 0
+    if mod is None:
+        return 0
+    if sender is not None:
+        return mod.release_sender_mappings(sender)
+    return mod.close_ipc_mappings(keep_persistent=keep_persistent)
 
 
 class RegistrationBook:
@@ -317,8 +323,17 @@ class RdtWeightReceiver:
 
     def end_of_update(self) -> None:
         """An update is over: the trainer may now free or re-use what it put,
-        so no cached mapping of its memory may be written from again."""
-        close_cached_mappings()
+        so no cached mapping of its memory may be read from again — except
+        buffers their sender declared persistent (``WeightSyncClient``'s
+        buckets), which it releases through :meth:`release_sender` first."""
+        close_cached_mappings(keep_persistent=True)
+
+    def release_sender(self, sender: Optional[str] = None) -> int:
+        """Close the cached mappings of one sender's memory (all: ``None``)."""
+        n = close_cached_mappings(sender=sender) if sender is not None else close_cached_mappings()
+        if n:
+            logger.info("[RDT] closed %d cached CUDA IPC mappings of sender %s", n, sender or "(all)")
+        return n
 
     @property
     def registered(self) -> bool:

@@ -147,11 +147,13 @@ class BucketSender:
         t0 = time.perf_counter()
         for i, old in enumerate(self._slots):
             if old is not None:
+                self._unmark(old)
                 deregister(old)
                 self._slots[i] = None
         for i in range(self._num_slots):
             buf = torch.empty(slot_bytes, dtype=torch.uint8, device=self._device)
             register(buf)
+            self._mark(buf)
             self._slots[i] = buf
         self.stats["allocations"] += 1
         logger.info(
@@ -250,11 +252,37 @@ class BucketSender:
             _, deregister = self._nixl()
             for i, buf in enumerate(self._slots):
                 if buf is not None:
+                    self._unmark(buf)
                     deregister(buf)
                     self._slots[i] = None
                     n += 1
         self._closed = True
         return n
+
+    # Same-node GPU path: the slots outlive every update, so ranks may keep
+    # their CUDA IPC mappings of them between updates (re-opening a 1 GiB
+    # mapping costs ~10 ms); the client makes the ranks release them before
+    # the slots are freed or grown (WeightSyncClient.close / prepare).
+    def _ipc(self):
+        if self.transport != "SGLANG_IPC" or self._put is not None or self._device.type != "cuda":
+            return None
+        return _import_ipc_transport()
+
+    def _mark(self, buf: torch.Tensor) -> None:
+        ipc = self._ipc()
+        if ipc is not None and not ipc.mark_persistent(buf):
+            logger.info("[RDT] bucket slot is not a whole CUDA segment; ranks re-map it every update")
+
+    def _unmark(self, buf: torch.Tensor) -> None:
+        ipc = self._ipc()
+        if ipc is not None:
+            ipc.unmark_persistent(buf)
+
+    def ipc_sender_token(self) -> Optional[str]:
+        """The identity ranks key their mappings of these slots by (None when
+        the slots are not shared over CUDA IPC)."""
+        ipc = self._ipc()
+        return ipc.sender_token() if ipc is not None else None
 
 
 def _import_ipc_transport():

@@ -684,3 +684,10 @@ def test_ipc_part_is_persistent_only_when_every_segment_was_declared():
     part = cit.IpcPart(node_id="n", sender="s", pid=1, device_uuid="GPU-x", segments=[], tensors=[])
     assert part.persistent is False  # refs of ordinary tensors: mappings closed after every update
     assert cit.mark_persistent(torch.zeros(4)) is False  # CPU tensors have no CUDA segment
+
+
+def test_client_bucket_size_defaults_follow_the_bucket_device():
+    from sglang.srt.ray.rdt.client import default_bucket_bytes
+
+    assert default_bucket_bytes("cuda") == default_bucket_bytes("cuda:1") == 1 << 30
+    assert default_bucket_bytes("cpu") == 256 << 20

@@ -569,26 +569,30 @@ def test_cma_split_keeps_order_and_bytes():
     assert split_copies([(0, 0, 100)], 4) == [[(0, 0, 100)]]  # small: one part
 
 
-def _child_holding(q, ev):
-    import os
-
-    t = torch.arange(3 * 2**18, dtype=torch.float32)  # 3 MiB
-    q.put((os.getpid(), t.data_ptr(), t.nbytes))
-    ev.wait(60)
+# A fresh interpreter, not a fork: forking a process that holds a Ray driver
+# (the test session's) copies its gRPC state, and torch ops in a forked child
+# may wait on OpenMP threads that did not survive the fork.
+_CHILD = """
+import array, os, sys
+buf = array.array("f", range(3 * 2**18))  # 3 MiB of float32 0, 1, 2, ...
+addr, n = buf.buffer_info()
+print(os.getpid(), addr, n * buf.itemsize, flush=True)
+sys.stdin.readline()
+"""
 
 
 def test_cma_reads_another_process_and_reports_faults():
     import errno
-    import multiprocessing as mp
+    import subprocess
+    import sys
 
     from sglang.srt.ray.rdt.cma import CmaError, CmaReader, process_start_time
 
-    ctx = mp.get_context("fork")
-    q, ev = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=_child_holding, args=(q, ev))
-    p.start()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
-        pid, addr, nbytes = q.get(timeout=60)
+        pid, addr, nbytes = map(int, child.stdout.readline().split())
         start = process_start_time(pid)
         assert start is not None and start == process_start_time(pid)
         reader = CmaReader(threads=2)
@@ -602,8 +606,7 @@ def test_cma_reads_another_process_and_reports_faults():
         assert e.value.errno == errno.EFAULT and "not mapped in the sender" in str(e.value)
         reader.close()
     finally:
-        ev.set()
-        p.join(30)
+        child.communicate("\n", timeout=30)
     assert process_start_time(pid) is None or process_start_time(pid) != start
     why = CmaReader(threads=1).probe(pid, addr)
     assert why is not None and "ESRCH" in why

@@ -316,6 +316,17 @@ class _Side:
         sync(self.device)
         self.pg = None
 
+    # receivers: poison the targets before a pull, check every byte after it
+    def poison(self, seed: int):
+        self.pattern.fill(self.tensors, seed + 7919)
+        sync(self.device)
+        return True
+
+    def verify(self, seed: int):
+        sync(self.device)
+        bad = self.pattern.check(self.tensors, seed)
+        return {"ok": not bad, "bad": [self.names[i] for i in bad[:5]], "nbad": len(bad)}
+
     def where(self):
         return {"device": str(self.device), "pid": os.getpid(),
                 "node": ray.get_runtime_context().get_node_id()[:8],
@@ -482,16 +493,6 @@ class Receiver(_Side):
                     "method": "process_vm_readv", "cache": False, **t.mapping_stats()}
         return {"engine": t.engine, "streams": t.nstreams, "method": t.method, "cache": t.cache_mappings,
                 **t.mapping_stats()}
-
-    def poison(self, seed: int):
-        self.pattern.fill(self.tensors, seed + 7919)
-        sync(self.device)
-        return True
-
-    def verify(self, seed: int):
-        sync(self.device)
-        bad = self.pattern.check(self.tensors, seed)
-        return {"ok": not bad, "bad": [self.names[i] for i in bad[:5]], "nbad": len(bad)}
 
     def pointers(self):
         return [t.data_ptr() for t in self.tensors]
@@ -758,16 +759,6 @@ class ClientRank(_Side):
     def abort_weight_update(self, reason="aborted"):
         self.receiver.end_of_update()
         return self.receiver.status()
-
-    def poison(self, seed: int):
-        self.pattern.fill(self.tensors, seed + 7919)
-        sync(self.device)
-        return True
-
-    def verify(self, seed: int):
-        sync(self.device)
-        bad = self.pattern.check(self.tensors, seed)
-        return {"ok": not bad, "bad": [self.names[i] for i in bad[:5]], "nbad": len(bad)}
 
     def take_pulls(self):
         out, self.pulls = self.pulls, []

@@ -663,30 +663,22 @@ class SglangIpcTransport(TensorTransportManager):  # type: ignore[misc]
         if not meta.tensor_meta:
             return []
         t0 = time.perf_counter()
+        # CPU tensors: process_vm_readv; GPU tensors: CUDA IPC; else NIXL.
         if meta.cma is not None:
-            why = self._cma_unusable(meta, target_buffers)
-            if why is None:
-                try:
-                    info = FetchInfo(obj_id=obj_id, path="cma")
-                    out = self._recv_cma(meta, target_buffers, info)
-                    info.seconds = time.perf_counter() - t0
-                    self._done(info)
-                    return out
-                except _MappingFailed as e:  # refused before any byte moved
-                    why = str(e)
+            path, why, recv = "cma", self._cma_unusable(meta, target_buffers), self._recv_cma
         else:
-            why = self._ipc_unusable(meta, target_buffers)
-        if meta.cma is None and why is None:
+            path, why, recv = "cuda_ipc", self._ipc_unusable(meta, target_buffers), self._recv_ipc
+        if why is None:
             try:
-                info = FetchInfo(obj_id=obj_id, path="cuda_ipc")
-                out = self._recv_ipc(meta, target_buffers, info)
+                info = FetchInfo(obj_id=obj_id, path=path)
+                out = recv(meta, target_buffers, info)
                 info.seconds = time.perf_counter() - t0
                 self._done(info)
                 return out
             except _MappingFailed as e:
-                # Nothing was copied yet: NIXL can still serve this fetch.
+                # Refused before any byte moved: NIXL can still serve this fetch.
                 why = str(e)
-                if meta.nixl is None:
+                if path == "cuda_ipc" and meta.nixl is None:
                     raise RuntimeError(f"CUDA IPC fetch failed and the ref has no NIXL metadata: {why}") from e
         if meta.nixl is None:
             raise ValueError(

@@ -299,6 +299,11 @@ class _Side:
 
         faulthandler.enable()  # a crash leaves a Python stack in the worker's .err log
         light_sglang()
+        from sglang.srt.ray.rdt.nixl_progress import configure_nixl_progress_thread
+
+        # as the product's processes do (SGLANG_RDT_NIXL_PROGRESS_DELAY_US=0 via
+        # --actor-env measures NIXL's own busy-polling progress thread)
+        configure_nixl_progress_thread()
         if register_ipc:
             from sglang.srt.ray.rdt import cuda_ipc_transport
 

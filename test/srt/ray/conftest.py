@@ -222,3 +222,20 @@ def wait_until(pred, timeout: float, interval: float = 0.5, what: str = "conditi
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+# --------------------------------------------------------------------------- #
+# Reporting: a CI run that is cut short still says why tests failed
+# --------------------------------------------------------------------------- #
+def pytest_runtest_logreport(report):
+    """Print a failure's traceback as soon as it happens (pytest prints them only
+    at the end of the session, which a CI time limit may never reach), and how
+    long each slow phase took."""
+    if report.failed:
+        text = f"\n---- {report.nodeid} failed in {report.when} ({report.duration:.0f} s) ----\n"
+        text += str(report.longrepr)[-6000:] + "\n"
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    elif report.duration > 60:
+        sys.stderr.write(f"\n[{report.when} {report.duration:.0f} s] {report.nodeid}\n")
+        sys.stderr.flush()

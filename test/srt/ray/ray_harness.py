@@ -110,6 +110,11 @@ class RayHead:
             f"--num-cpus={num_cpus}", "--num-gpus=0",
             "--include-dashboard=false", "--disable-usage-stats",
             f"--temp-dir={temp_dir}",
+            # Ports that default to fixed numbers: two heads on one host (the
+            # suite's and the demo's, or another session's) must not share them.
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-port={free_port()}",
         ]
         head._starting = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -118,6 +118,11 @@ class ToyRank:
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
 class ToyTrainer:
     def __init__(self, transport: str = "nixl"):
+        # What a trainer that puts with NIXL itself does once (docs): keep the
+        # NIXL progress thread of this process from spinning a core.
+        from sglang.srt.ray.rdt.nixl_progress import configure_nixl_progress_thread
+
+        configure_nixl_progress_thread()
         self.buckets: List[List[torch.Tensor]] = []
         self.transport = transport
         if transport == "SGLANG_IPC":

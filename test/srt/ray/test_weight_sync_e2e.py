@@ -56,6 +56,9 @@ def test_cross_job_pull_updates_live_params_in_place(launch_server, tiny_model, 
     assert sum(s[0]["tensors"] for s in out["pull_stats"]) == len(out["ptr_before"][0])
     assert out["ptr_after"] == out["ptr_before"]
     assert out["status"][0]["weights_consistent"] is True
+    # The rank's NIXL agent was made with a progress-thread delay: no core
+    # spinning in the engine for the rest of its life.
+    assert out["status"][0]["nixl_progress_thread"] == "sleeps up to 1000 us between UCX events"
 
     new_ref = hf_greedy(tiny_model, PROMPT, 16, random_state_dict(tiny_model, 1))
     assert new_ref != old_ref

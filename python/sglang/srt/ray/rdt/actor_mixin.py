@@ -324,6 +324,9 @@ class RdtWeightSyncMixin:
             status.update(self._rdt_receiver.status())
             status["last_update"] = self._rdt_updates.last
             status["transports"] = list(self._rdt_transports)
+            from sglang.srt.ray.rdt import nixl_progress
+
+            status["nixl_progress_thread"] = nixl_progress.describe()
         status["event_loop"] = self._rdt_safe_point.state
         return status
 

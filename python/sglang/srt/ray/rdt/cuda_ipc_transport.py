@@ -1052,6 +1052,11 @@ def register() -> str:
     import torch
     from ray.experimental.rdt import util
 
+    from sglang.srt.ray.rdt.nixl_progress import configure_nixl_progress_thread
+
+    # SGLANG_IPC refs carry NIXL metadata, so this process gets a NIXL agent:
+    # keep its progress thread from spinning a core (see nixl_progress).
+    configure_nixl_progress_thread()
     with _register_lock:
         util._ensure_default_transports_registered()
         if TRANSPORT_NAME not in util.transport_manager_info:

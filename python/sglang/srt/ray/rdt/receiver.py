@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from sglang.srt.ray.rdt.nixl_progress import configure_nixl_progress_thread
 from sglang.srt.ray.rdt.plan import (
     TensorSpec,
     WeightsInconsistentError,
@@ -226,6 +227,9 @@ class RdtWeightReceiver:
         registration_disabled_reason: Optional[str] = None,
         registrations: Optional[RegistrationBook] = None,
     ):
+        # Before this process's NIXL agent exists: its progress thread must
+        # not spin a core for the life of the rank (see nixl_progress).
+        configure_nixl_progress_thread()
         self._get_params = get_params
         self._device = device
         self.pull_timeout_s = pull_timeout_s

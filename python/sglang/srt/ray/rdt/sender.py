@@ -92,6 +92,10 @@ class BucketSender:
         self.transport = transport.upper()
         if self.transport not in ("NIXL", "SGLANG_IPC"):
             raise ValueError(f"transport must be 'nixl' or 'SGLANG_IPC', got {transport!r}")
+        if put is None:
+            # Before this process's NIXL agent exists (first registration or
+            # put): its progress thread must not spin a core for good.
+            _import_light("sglang.srt.ray.rdt.nixl_progress").configure_nixl_progress_thread()
         if self.transport == "SGLANG_IPC" and put is None:
             _import_ipc_transport().register()  # in this process, before any put
         self._slots: List[Optional[torch.Tensor]] = [None] * num_slots
@@ -286,9 +290,13 @@ class BucketSender:
 
 
 def _import_ipc_transport():
-    """``sglang.srt.ray.rdt.cuda_ipc_transport``, without sglang's package
-    ``__init__`` when this process has not imported sglang (the sender actor:
-    sglang's top-level import costs seconds and the transport needs only torch
+    return _import_light("sglang.srt.ray.rdt.cuda_ipc_transport")
+
+
+def _import_light(name: str):
+    """Import the sglang module ``name`` without sglang's package ``__init__``
+    when this process has not imported sglang (the sender actor: sglang's
+    top-level import costs seconds, and the transport modules need only torch
     and ray). The module keeps its real name: the metadata classes it defines
     are unpickled by that name on the ranks."""
     import importlib
@@ -297,7 +305,6 @@ def _import_ipc_transport():
     import sys
     import types
 
-    name = "sglang.srt.ray.rdt.cuda_ipc_transport"
     if name in sys.modules or "sglang" in sys.modules:
         return importlib.import_module(name)
     spec = importlib.util.find_spec("sglang")

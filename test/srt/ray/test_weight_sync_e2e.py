@@ -34,7 +34,9 @@ def run_trainer_job(head, server, model, *, seed, version, dp_size=1, extra=()):
 
 def test_cross_job_pull_updates_live_params_in_place(launch_server, tiny_model, ray_head, ray_client):
     server = launch_server(
-        ["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", ray_head.namespace]
+        ["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", ray_head.namespace,
+         # an idle loop that sleeps in a poll: weight-sync calls must wake it
+         "--sleep-on-idle"]
     )
     old_ref = hf_greedy(tiny_model, PROMPT, 16)
     assert server.output_ids(PROMPT, 16) == old_ref
@@ -59,6 +61,7 @@ def test_cross_job_pull_updates_live_params_in_place(launch_server, tiny_model, 
     # The rank's NIXL agent was made with a progress-thread delay: no core
     # spinning in the engine for the rest of its life.
     assert out["status"][0]["nixl_progress_thread"] == "sleeps up to 1000 us between UCX events"
+    assert out["status"][0]["idle_sleep"] == "wakes on weight-sync calls"
 
     new_ref = hf_greedy(tiny_model, PROMPT, 16, random_state_dict(tiny_model, 1))
     assert new_ref != old_ref

@@ -11,6 +11,7 @@ the task runs, and the task sees scheduler state as the loop does.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -28,6 +29,41 @@ class SafePointQueue:
         self._state = "not_started"  # not_started | running | stopped
         self._inline_lock = threading.Lock()
         self._loop_thread: Optional[int] = None
+        self._wake_r: Optional[int] = None  # see wake_fd()
+        self._wake_w: Optional[int] = None
+
+    def wake_fd(self) -> int:
+        """A file descriptor that becomes readable whenever a task is queued.
+
+        A loop that sleeps while idle (``--sleep-on-idle``: the scheduler
+        blocks in a poll on its sockets for up to a second) adds it to what it
+        polls, so a queued task wakes it instead of waiting for the timeout.
+        """
+        with self._inline_lock:
+            if self._wake_r is None:
+                r, w = os.pipe()
+                os.set_blocking(r, False)
+                os.set_blocking(w, False)
+                self._wake_r, self._wake_w = r, w
+            return self._wake_r
+
+    def _wake(self) -> None:
+        w = self._wake_w
+        if w is not None:
+            try:
+                os.write(w, b"\0")
+            except (BlockingIOError, OSError):
+                pass  # full: the loop is awake already; closed: it stopped
+
+    def _drain_wake(self) -> None:
+        r = self._wake_r
+        if r is None:
+            return
+        try:
+            while os.read(r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
 
     # Event-loop side ------------------------------------------------------
     def loop_started(self) -> None:
@@ -41,6 +77,8 @@ class SafePointQueue:
         self._loop_thread = threading.get_ident()
         if self._state != "running":
             self._state = "running"
+        # Before taking tasks: a task queued after this read writes again.
+        self._drain_wake()
         while True:
             try:
                 fn, fut = self._tasks.get_nowait()
@@ -85,6 +123,7 @@ class SafePointQueue:
             return fn(scheduler)
         fut: Future = Future()
         self._tasks.put((fn, fut))
+        self._wake()
         try:
             return fut.result(timeout=timeout_s)
         except FutureTimeout:
@@ -103,3 +142,16 @@ def run_safe_point_tasks(scheduler) -> None:
     tasks = getattr(scheduler, "safe_point_tasks", None)
     if tasks is not None:
         tasks.run_pending(scheduler)
+
+
+def wake_idle_sleeper_on_tasks(scheduler, tasks: SafePointQueue) -> bool:
+    """Make ``scheduler``'s idle sleeper (``--sleep-on-idle``) wake when a task
+    is queued. Returns False when it has no sleeper or one that cannot poll
+    extra file descriptors (tasks then wait for its timeout)."""
+    poller = getattr(getattr(scheduler, "idle_sleeper", None), "poller", None)
+    if poller is None:
+        return False
+    import zmq
+
+    poller.register(tasks.wake_fd(), zmq.POLLIN)
+    return True

@@ -29,7 +29,10 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from sglang.srt.managers.scheduler_safe_point import SafePointQueue
+from sglang.srt.managers.scheduler_safe_point import (
+    SafePointQueue,
+    wake_idle_sleeper_on_tasks,
+)
 from sglang.srt.ray.rdt import metrics as rdt_metrics
 from sglang.srt.ray.rdt.plan import WeightsInconsistentError, WeightSyncError
 
@@ -83,6 +86,15 @@ class RdtWeightSyncMixin:
         self._rdt_device = get_device().device
         self._rdt_safe_point = SafePointQueue()
         self.scheduler.safe_point_tasks = self._rdt_safe_point
+        self._rdt_idle_sleep = "off"
+        if getattr(self.scheduler, "idle_sleeper", None) is not None:
+            # --sleep-on-idle: a queued pull or finalize wakes the loop at once
+            # instead of after its poll timeout (up to 1 s per call).
+            if wake_idle_sleeper_on_tasks(self.scheduler, self._rdt_safe_point):
+                self._rdt_idle_sleep = "wakes on weight-sync calls"
+            else:
+                self._rdt_idle_sleep = "weight-sync calls wait for its timeout"
+                logger.info("[RDT] --sleep-on-idle: weight-sync calls wait for the idle sleeper's timeout")
         from sglang.srt.ray.lifecycle import watch_owner_job
 
         watch_owner_job(self._exit_orphaned)
@@ -328,6 +340,7 @@ class RdtWeightSyncMixin:
 
             status["nixl_progress_thread"] = nixl_progress.describe()
         status["event_loop"] = self._rdt_safe_point.state
+        status["idle_sleep"] = self._rdt_idle_sleep
         return status
 
     def get_weight_sync_stats(self) -> Dict[str, Any]:

@@ -43,15 +43,35 @@ def free_port() -> int:
 
 
 def processes_with(marker: str) -> List[psutil.Process]:
-    """Processes (not this one) whose command line contains ``marker``."""
+    """Live processes (not this one, not zombies) whose command line contains
+    ``marker``."""
+    return _processes(lambda cmd: marker in cmd)
+
+
+def _processes(match: Callable[[str], bool]) -> List[psutil.Process]:
     out = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
         try:
-            if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
+            if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
+                continue
+            if match(" ".join(p.info["cmdline"] or [])):
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return out
+
+
+def with_descendants(procs: List[psutil.Process]) -> List[psutil.Process]:
+    """``procs`` and every process below them (Ray renames its workers and
+    agents to ``ray::...``: only their parent carries the head's marker)."""
+    seen = {p.pid: p for p in procs}
+    for p in procs:
+        try:
+            for c in p.children(recursive=True):
+                seen.setdefault(c.pid, c)
+        except psutil.NoSuchProcess:
+            pass
+    return [p for p in seen.values() if p.pid != os.getpid()]
 
 
 def stop_processes(procs: List[psutil.Process], timeout: float = 15) -> None:
@@ -137,12 +157,23 @@ class RayHead:
         return self
 
     def stop(self) -> None:
-        """Stop every process of this head (found by its temp dir) and remove it."""
-        stop_processes(processes_with(self.temp_dir))
+        """Stop every process of this head and remove its temp dir."""
+        stop_processes(self.processes())
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def processes(self) -> List[psutil.Process]:
-        return processes_with(self.temp_dir)
+        """This head's processes: those that carry its temp dir, its Ray client
+        server (which names only the head's port), and everything below them."""
+        port = self.address.rsplit(":", 1)[1]
+
+        def ours(cmd: str) -> bool:
+            if self.temp_dir in cmd:
+                return True
+            return "ray.util.client.server" in cmd and any(
+                a.startswith("--address=") and a.endswith(f":{port}") for a in cmd.split()
+            )
+
+        return with_descendants(_processes(ours))
 
 
 def start_ray_head(num_cpus: int = 8, namespace: str = "sglang-test") -> RayHead:

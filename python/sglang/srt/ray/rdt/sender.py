@@ -92,12 +92,14 @@ class BucketSender:
         self.transport = transport.upper()
         if self.transport not in ("NIXL", "SGLANG_IPC"):
             raise ValueError(f"transport must be 'nixl' or 'SGLANG_IPC', got {transport!r}")
-        if put is None:
-            # Before this process's NIXL agent exists (first registration or
-            # put): its progress thread must not spin a core for good.
-            _import_light("sglang.srt.ray.rdt.nixl_progress").configure_nixl_progress_thread()
-        if self.transport == "SGLANG_IPC" and put is None:
-            _import_ipc_transport().register()  # in this process, before any put
+        if put is None:  # real puts, in this process, before the first one
+            if self.transport == "SGLANG_IPC":
+                # (its register() also tames the NIXL progress thread)
+                _import_ipc_transport().register()
+            else:
+                # Before this process's NIXL agent exists: its progress thread
+                # must not spin a core for good.
+                _import_light("sglang.srt.ray.rdt.nixl_progress").configure_nixl_progress_thread()
         self._slots: List[Optional[torch.Tensor]] = [None] * num_slots
         self._in_flight: List[Optional[str]] = [None] * num_slots
         self._closed = False

@@ -754,7 +754,7 @@ class ClientRank(_Side):
         return stats
 
     def finalize_weight_update(self, weight_version=None, flush_cache=True):
-        self.receiver.mark_consistent()
+        self.receiver.state.end()
         self.receiver.end_of_update()
         return {"success": True, "weight_version": weight_version}
 
@@ -763,7 +763,7 @@ class ClientRank(_Side):
 
     def abort_weight_update(self, reason="aborted"):
         self.receiver.end_of_update()
-        return self.receiver.status()
+        return self.receiver.state.abort(reason)
 
     def take_pulls(self):
         out, self.pulls = self.pulls, []

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 import ray
 import torch
 
-from sglang.srt.ray.rdt.plan import WeightSyncError
+from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.sender import BucketSender
 
 
@@ -87,12 +87,12 @@ class FakeRank:
 
     def finalize_weight_update(self, weight_version=None, flush_cache=True):
         self.finalized.append(weight_version)
-        self.receiver.mark_consistent()
+        self.receiver.state.end()
         return {"success": True, "weight_version": weight_version}
 
     def abort_weight_update(self, reason="aborted"):
         self.aborts.append(reason)
-        return self.receiver.status()
+        return self.receiver.state.abort(reason)
 
     def get_weight_sync_status(self):
         return {**self.receiver.status(), "transports": ["NIXL", "SGLANG_IPC"]}

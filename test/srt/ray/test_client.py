@@ -32,7 +32,7 @@ from sglang.srt.ray.rdt.buckets import (
     plan_steps,
 )
 from sglang.srt.ray.rdt.client import WeightSyncClient, WeightSyncRankError
-from sglang.srt.ray.rdt.plan import WeightSyncError
+from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.sender import BucketInFlightError, BucketSender, BucketSenderError
 
 HERE = Path(__file__).resolve().parent

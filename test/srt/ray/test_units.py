@@ -19,8 +19,8 @@ from sglang.srt.managers.scheduler_safe_point import (
     SafePointQueue,
     run_safe_point_tasks,
 )
-from sglang.srt.managers.weight_memory_listeners import (
-    add_weight_memory_listener,
+from sglang.srt.managers.weight_listeners import (
+    add_weight_listener,
     notify_weights_released,
     notify_weights_resumed,
 )
@@ -35,9 +35,9 @@ from sglang.srt.ray.actor_naming import (
     is_scheduler_actor_name,
     parse_scheduler_actor_name,
 )
+from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.plan import (
     TensorSpec,
-    WeightSyncError,
     group_names,
     plan_pull,
     unique_storages,
@@ -230,7 +230,7 @@ def test_receiver_drops_registrations_on_release_and_restores_on_resume():
     )
     assert recv.register()["registrations"] == 2
     scheduler = types.SimpleNamespace()
-    add_weight_memory_listener(scheduler, recv)
+    add_weight_listener(scheduler, recv)
     notify_weights_released(scheduler)
     assert nixl.live == {} and recv.status()["weights_released"] is True
     with pytest.raises(WeightSyncError, match="weights are released"):
@@ -552,38 +552,15 @@ def test_metrics_backend_follows_where_sglang_sends_its_own(monkeypatch, tmp_pat
         metrics.metric_factories("statsd")
 
 
-def test_update_tracker_sums_pulls_and_formats_one_line():
-    from sglang.srt.ray.rdt.metrics import UpdateTracker, format_update
-
-    now = [100.0]
-    tr = UpdateTracker(clock=lambda: now[0])
-    tr.start()
-    tr.on_pull({"tensors": 3, "bytes": 3000, "seconds": 0.5, "fetch_seconds": 0.25, "transport": "nixl"})
-    tr.on_pull({"tensors": 2, "bytes": 1000, "seconds": 0.5, "fetch_seconds": 0.25, "transport": "cma,nixl"})
-    now[0] = 102.0
-    s = tr.finish("v7", flushed_cache=True)
-    assert (s["pulls"], s["tensors"], s["bytes"], s["weight_version"]) == (2, 5, 4000, "v7")
-    assert s["transfer_seconds"] == pytest.approx(0.5) and s["gbps"] == pytest.approx(8e-6)
-    assert (s["transport"], s["update_seconds"]) == ("nixl,cma", 2.0)
-    line = format_update(s, "dp0/pp0/tp1")
-    assert line.startswith("[RDT] weight update dp0/pp0/tp1 done: weight_version=v7 tensors=5 bytes=4000")
-    assert "transport=nixl,cma" in line and "GB/s" in line and "cache flushed=True" in line
-    assert tr.snapshot()["updates"] == 1 and tr.snapshot()["last_update"] is s
-    # Without start(), the first pull starts the clock; an abort drops the sums.
-    tr.on_pull({"tensors": 1, "bytes": 10, "seconds": 1.0})
-    assert tr.snapshot()["update_in_progress"] == {"pulls": 1, "tensors": 1, "bytes": 10}
-    tr.fail("abort")
-    tr.fail("rejected")
-    snap = tr.snapshot()
-    assert snap["update_in_progress"] is None and snap["failures"] == {"abort": 1, "rejected": 1}
-    assert snap["last_update"]["weight_version"] == "v7"  # the last complete one stays
-
-
 def test_failure_kinds_of_pull_errors():
     from sglang.srt.ray.rdt.actor_mixin import failure_kind
-    from sglang.srt.ray.rdt.plan import WeightsInconsistentError
+    from sglang.srt.ray.rdt.errors import WeightsInconsistentError
 
-    assert failure_kind(WeightsInconsistentError("torn")) == "transfer"
+    from sglang.srt.ray.rdt.errors import WeightUpdateConflictError
+
+    # Broken transfers and conflicts are counted by the update state itself.
+    assert failure_kind(WeightsInconsistentError("torn")) is None
+    assert failure_kind(WeightUpdateConflictError("two writers")) is None
     assert failure_kind(WeightSyncError("bad name")) == "rejected"
     assert failure_kind(TimeoutError("slow")) == "other"
 

@@ -9,6 +9,9 @@ engine-info bootstrap server on node 0, which serves:
     GET /parallelism_config?rank=R   one rank (R = the global rank below)
     GET /parallelism_config          all ranks, {"ranks": {R: config}}
 
+The engine's main HTTP port serves the same two routes from the same store
+(the Ray HTTP server with --enable-rdt-weight-sync; miles reads it there).
+
 The global rank is ``dp_rank * tp_size * pp_size + pp_rank * tp_size + tp_rank``
 (with attention DP, where DP is folded into TP, ``pp_rank * tp_size + tp_rank``).
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +86,17 @@ def register_parallelism_config(device_id: Optional[int], device: Optional[str])
 
 
 class ParallelismConfigStore:
+    """The registered configs of one engine (held by its bootstrap server).
+
+    The newest store of the process is also :func:`current_store`: the
+    engine's main HTTP server (same process) serves the same records.
+    """
+
     def __init__(self):
+        global _CURRENT
         self._lock = threading.Lock()
         self._by_rank: Dict[int, Dict[str, Any]] = {}
+        _CURRENT = self
 
     def put(self, cfg: Dict[str, Any]) -> int:
         for key in ("tp_rank", "tp_size"):
@@ -105,7 +116,17 @@ class ParallelismConfigStore:
             return dict(self._by_rank)
 
 
+_CURRENT: Optional[ParallelismConfigStore] = None
+
+
+def current_store() -> Optional[ParallelismConfigStore]:
+    """The store of this process's engine-info bootstrap server, if any."""
+    return _CURRENT
+
+
 def install_parallelism_config_routes(app, store: ParallelismConfigStore) -> None:
+    """PUT /register_parallelism_config and GET /parallelism_config (the
+    bootstrap server)."""
     from fastapi import HTTPException
     from fastapi.responses import PlainTextResponse
 
@@ -118,8 +139,25 @@ def install_parallelism_config_routes(app, store: ParallelismConfigStore) -> Non
         logger.info("Registered parallelism config for rank=%s", rank)
         return PlainTextResponse("OK")
 
+    install_parallelism_config_read_route(app, lambda: store)
+
+
+def install_parallelism_config_read_route(
+    app, get_store: Callable[[], Optional[ParallelismConfigStore]]
+) -> None:
+    """GET /parallelism_config[?rank=R] from ``get_store()`` (the bootstrap
+    server's own store, or on the engine's HTTP port :func:`current_store`)."""
+    from fastapi import HTTPException
+
     @app.get("/parallelism_config")
     def get_parallelism_config(rank: Optional[int] = None):
+        store = get_store()
+        if store is None:
+            raise HTTPException(
+                status_code=404,
+                detail="this engine registers no parallelism configs; start it with "
+                "--enable-rdt-weight-sync or --enable-engine-info-bootstrap",
+            )
         if rank is None:
             return {"ranks": {str(r): c for r, c in sorted(store.all().items())}}
         if rank < 0:

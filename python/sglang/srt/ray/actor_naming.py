@@ -19,8 +19,8 @@ HTTP port. Two forms exist:
 Example (trainer side)::
 
     from sglang.srt.ray import get_scheduler_actor_name
-    name = get_scheduler_actor_name("10.0.0.5", dp_rank=0, pp_rank=0, tp_rank=0,
-                                    bundle_index=0, port=30000)
+    name = get_scheduler_actor_name(rank0_node_ip="10.0.0.5", dp_rank=0, pp_rank=0,
+                                    tp_rank=0, port=30000, bundle_idx=0)
     actor = ray.get_actor(name, namespace="rollout")
 """
 
@@ -53,37 +53,50 @@ class SchedulerActorName:
 
     def __str__(self) -> str:
         return get_scheduler_actor_name(
-            self.node_ip,
+            rank0_node_ip=self.node_ip,
             dp_rank=self.dp_rank,
             pp_rank=self.pp_rank,
             tp_rank=self.tp_rank,
-            bundle_index=self.bundle_index,
+            bundle_idx=self.bundle_index,
             port=self.port,
             placement_group_id=self.placement_group_id,
         )
 
 
 def get_scheduler_actor_name(
-    node_ip: str,
-    dp_rank: Optional[int],
-    pp_rank: int,
-    tp_rank: int,
-    bundle_index: int,
+    rank0_node_ip: Optional[str] = None,
+    dp_rank: Optional[int] = None,
+    pp_rank: int = 0,
+    tp_rank: int = 0,
+    bundle_idx: Optional[int] = None,
     *,
     port: Optional[int] = None,
     placement_group_id: Optional[str] = None,
+    node_ip: Optional[str] = None,
+    bundle_index: Optional[int] = None,
 ) -> str:
     """Build the Ray actor name of one SchedulerActor.
+
+    The seed spelling (what miles calls)::
+
+        get_scheduler_actor_name(rank0_node_ip="10.0.0.5", dp_rank=0, pp_rank=0,
+                                 tp_rank=1, port=30000, bundle_idx=1)
+
+    ``node_ip`` / ``bundle_index`` are accepted as other spellings of
+    ``rank0_node_ip`` / ``bundle_idx`` (give one of each pair).
 
     Give ``port`` (the engine's HTTP port) for engines launched with
     ``--enable-rdt-weight-sync``, or ``placement_group_id`` (hex, as
     ``pg.id.hex()``; the first 8 characters are used) for placement-group keyed
     actors. Exactly one of them must be given.
 
-    ``node_ip`` is the IP of the node that runs rank 0 of the engine (the node
-    of the launching process), as Ray reports it
-    (``ray.util.get_node_ip_address()``).
+    ``rank0_node_ip`` is the IP of the node that runs rank 0 of the engine (the
+    node of the launching process), as Ray reports it
+    (``ray.util.get_node_ip_address()``); every rank's name carries it, also
+    ranks on other nodes.
     """
+    node_ip = _one_of("rank0_node_ip", rank0_node_ip, "node_ip", node_ip)
+    bundle_index = _one_of("bundle_idx", bundle_idx, "bundle_index", bundle_index)
     if (port is None) == (placement_group_id is None):
         raise ValueError(
             "give exactly one of port= (discoverable engines, "
@@ -102,6 +115,15 @@ def get_scheduler_actor_name(
             raise ValueError(f"port must be a TCP port number, got {port!r}")
         return f"{PREFIX}_node{node_ip}_port{port}{ranks}_bundle{bundle_index}"
     return f"{PREFIX}_node{node_ip}{ranks}_pg{placement_group_id[:8]}_bundle{bundle_index}"
+
+
+def _one_of(name: str, value, alias: str, alias_value):
+    if value is not None and alias_value is not None and value != alias_value:
+        raise ValueError(f"{name}={value!r} and {alias}={alias_value!r} disagree; give one")
+    out = value if value is not None else alias_value
+    if out is None:
+        raise ValueError(f"{name} is required")
+    return out
 
 
 def parse_scheduler_actor_name(name: str) -> SchedulerActorName:

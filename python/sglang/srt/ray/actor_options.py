@@ -93,7 +93,7 @@ def scheduler_actor_options(
             placement_group_bundle_index=bundle_index,
         ),
     )
-    ranks = dict(dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, bundle_index=bundle_index)
+    ranks = dict(dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, bundle_idx=bundle_index)
     env_vars = forwarded_env()
     env_vars.update(metrics_env(placement_group, bundle_index))
     if rdt:
@@ -102,7 +102,7 @@ def scheduler_actor_options(
     if env_vars:
         options["runtime_env"] = {"env_vars": env_vars}
     if discoverable:
-        options["name"] = get_scheduler_actor_name(rank0_node_ip, port=http_port, **ranks)
+        options["name"] = get_scheduler_actor_name(rank0_node_ip=rank0_node_ip, port=http_port, **ranks)
         options["lifetime"] = "detached"
         # Detached actors outlive their job: they watch it and exit when it
         # is gone (sglang.srt.ray.lifecycle.watch_owner_job).
@@ -110,6 +110,6 @@ def scheduler_actor_options(
         options["runtime_env"] = {"env_vars": env_vars}
     else:
         options["name"] = get_scheduler_actor_name(
-            rank0_node_ip, placement_group_id=placement_group.id.hex(), **ranks
+            rank0_node_ip=rank0_node_ip, placement_group_id=placement_group.id.hex(), **ranks
         )
     return options

@@ -6,9 +6,11 @@ the cluster's placement groups):
 * ``RayEngine(..., placement_group=pg)`` / the Ray ``launch_server`` inside
   :func:`ray_launch_options` — schedulers go onto the caller's group; no second
   group is created, so resources are not booked twice.
-* :func:`launch_engine` — *handles mode*: returns a :class:`LaunchedEngine` with
-  the SchedulerActor handles, for a caller that hosts the HTTP server in its
-  own Ray actor (``serve_http`` runs it on a thread). Actors are then not
+* :func:`launch_engine` — *handles mode*: returns a :class:`LaunchedEngine`
+  (the seed API's 5-tuple) with the SchedulerActor handles, for a caller that
+  hosts the HTTP server in its own Ray actor (``serve_http(engine,
+  server_args)`` on a thread). Both are importable from
+  ``sglang.srt.ray.http_server``, where miles imports them. Actors are then not
   detached and their names key on the placement group: they die with their
   owner, and callers use the handles instead of names.
 
@@ -21,9 +23,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import threading
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -72,36 +73,24 @@ def resolve_placement_group(explicit=None):
     return ray.util.get_current_placement_group(), False
 
 
-@dataclass
-class LaunchedEngine:
-    """What :func:`launch_engine` started; ``scheduler_actors`` are the handles."""
+class LaunchedEngine(NamedTuple):
+    """What :func:`launch_engine` started: the 5-tuple of the seed API.
 
-    server_args: Any
+    ``tokenizer_manager, template_manager, port_args, scheduler_init_result,
+    subprocess_watchdog = engine``; the SchedulerActor handles are
+    ``scheduler_init_result.scheduler_actors`` (also :attr:`scheduler_actors`),
+    in rank order.
+    """
+
     tokenizer_manager: Any
     template_manager: Any
     port_args: Any
     scheduler_init_result: Any
     subprocess_watchdog: Any
-    _http_thread: Optional[threading.Thread] = field(default=None, repr=False)
 
     @property
     def scheduler_actors(self) -> List[Any]:
         return list(self.scheduler_init_result.scheduler_actors)
-
-    def serve_http(self, block: bool = False) -> Optional[threading.Thread]:
-        """Run the HTTP server (also ``/weight_sync/*`` with RDT sync on).
-
-        ``block=False`` runs it on a daemon thread (for a Ray actor that must
-        keep answering calls) and returns the thread.
-        """
-        if block:
-            serve_launched(self)
-            return None
-        self._http_thread = threading.Thread(
-            target=serve_launched, args=(self,), daemon=True, name="sglang-http"
-        )
-        self._http_thread.start()
-        return self._http_thread
 
     def shutdown(self) -> None:
         self.scheduler_init_result.release()
@@ -115,68 +104,75 @@ def launch_engine(
 ) -> LaunchedEngine:
     """Start tokenizer, detokenizer and SchedulerActors; return them with handles.
 
-    Example (inside a Ray actor that owns the engine)::
+    Example (inside a Ray actor that owns the engine; what miles does)::
+
+        from sglang.srt.ray.http_server import launch_engine, serve_http
 
         engine = launch_engine(server_args, placement_group=pg)
-        engine.serve_http()                      # HTTP on a thread
-        handles = engine.scheduler_actors        # for pull_weights etc.
+        _, _, _, scheduler_init_result, _ = engine
+        handles = scheduler_init_result.scheduler_actors   # for pull_weights
+        threading.Thread(target=serve_http, args=(engine, server_args),
+                         daemon=True).start()
     """
-    from sglang.srt.entrypoints.engine import (
-        init_tokenizer_manager,
-        run_detokenizer_process,
-        run_scheduler_process,
+    return start_engine(
+        server_args,
+        placement_group=placement_group,
+        runtime_env=runtime_env,
+        handles_mode=True,
     )
+
+
+def start_engine(
+    server_args,
+    *,
+    placement_group=None,
+    runtime_env: Optional[Dict[str, Any]] = None,
+    handles_mode: bool = False,
+    init_tokenizer_manager_func=None,
+    run_scheduler_process_func=None,
+    run_detokenizer_process_func=None,
+) -> LaunchedEngine:
+    """Start tokenizer, detokenizer and SchedulerActors under the given Ray
+    launch options (:func:`launch_engine` and the Ray ``launch_server``)."""
+    from sglang.srt.entrypoints import engine as entry
     from sglang.srt.ray.engine import RayEngine
 
     with ray_launch_options(
-        placement_group=placement_group, runtime_env=runtime_env, handles_mode=True
+        placement_group=placement_group, runtime_env=runtime_env, handles_mode=handles_mode
     ):
-        (
-            tokenizer_manager,
-            template_manager,
-            port_args,
-            scheduler_init_result,
-            subprocess_watchdog,
-            _weight_cache_daemon_procs,
-        ) = RayEngine._launch_subprocesses(
+        started = RayEngine._launch_subprocesses(
             server_args,
-            init_tokenizer_manager_func=init_tokenizer_manager,
-            run_scheduler_process_func=run_scheduler_process,
-            run_detokenizer_process_func=run_detokenizer_process,
+            init_tokenizer_manager_func=init_tokenizer_manager_func
+            or entry.init_tokenizer_manager,
+            run_scheduler_process_func=run_scheduler_process_func
+            or entry.run_scheduler_process,
+            run_detokenizer_process_func=run_detokenizer_process_func
+            or entry.run_detokenizer_process,
         )
-    return LaunchedEngine(
-        server_args=server_args,
-        tokenizer_manager=tokenizer_manager,
-        template_manager=template_manager,
-        port_args=port_args,
-        scheduler_init_result=scheduler_init_result,
-        subprocess_watchdog=subprocess_watchdog,
-    )
+    # The sixth item (weight-cache daemon processes) is not used by Ray.
+    return LaunchedEngine(*started[:5])
 
 
-def serve_launched(launched: LaunchedEngine, execute_warmup_func=None, launch_callback=None) -> None:
-    """Run the HTTP server of a launched engine until it stops; then release
-    the actors (detached ones included) and the placement group it created."""
+def serve_http(
+    engine: LaunchedEngine, server_args, execute_warmup_func=None, launch_callback=None
+) -> None:
+    """Run the HTTP server of a launched engine until it stops (blocking; may
+    run on a thread other than the main one); then release the actors
+    (detached ones included) and the placement group it created."""
+    launched = LaunchedEngine(*engine)
     from sglang.srt.entrypoints.http_server import (
         _execute_server_warmup,
         _setup_and_run_http_server,
         app,
     )
 
-    if launched.server_args.enable_rdt_weight_sync:
+    if server_args.enable_rdt_weight_sync:
         from sglang.srt.ray.rdt.http_routes import install_weight_sync_routes
-        from sglang.srt.ray.rdt.session import WeightSyncSession
 
-        install_weight_sync_routes(
-            app,
-            WeightSyncSession(
-                launched.tokenizer_manager,
-                lambda: launched.scheduler_init_result.scheduler_actors,
-            ),
-        )
+        install_weight_sync_routes(app, server_args, launched)
     try:
         _setup_and_run_http_server(
-            launched.server_args,
+            server_args,
             launched.tokenizer_manager,
             launched.template_manager,
             launched.port_args,

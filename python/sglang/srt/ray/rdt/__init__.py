@@ -11,7 +11,7 @@
 (they pull in Ray).
 """
 
-from sglang.srt.ray.rdt.plan import WeightsInconsistentError, WeightSyncError
+from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
 
 __all__ = [
     "WeightSyncClient",

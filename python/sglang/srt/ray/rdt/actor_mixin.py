@@ -7,18 +7,23 @@
     Pin the model's parameters with NIXL once, so pulls skip registration.
 ``pull_weights(weights_refs, param_names, timeout=None)``
     Write the tensors behind RDT refs straight into live parameters.
-``finalize_weight_update(weight_version=None, flush_cache=True)``
-    After all buckets landed: post-load processing, cache flush, version bump.
 
-and, for the engine's own update session (``/weight_sync/*``, ``RayEngine``):
-``begin_weight_update()``, ``abort_weight_update()``; for anyone:
-``get_weight_sync_status()``, ``get_weight_sync_stats()`` (per-update figures)
-and ``get_parallelism_config()``.
+The update around the pulls is sglang's own lifecycle, over HTTP (what miles
+does: ``/pause_generation``, ``/begin_weight_update``, pulls,
+``/update_weight_version``, ``/end_weight_update``, ``/continue_generation``)
+or as actor calls: ``begin_weight_update()``,
+``finalize_weight_update(weight_version=None, flush_cache=True)`` (version,
+``end_weight_update``, flush) and ``abort_weight_update(reason)``. Whichever
+path drives it, the scheduler tells this rank's
+:class:`~sglang.srt.ray.rdt.update_state.RankUpdateState` (the one owner of
+the update's state) through its weight listeners. For anyone:
+``get_weight_sync_status()``, ``get_weight_sync_stats()`` (per-update
+figures) and ``get_parallelism_config()``.
 
-Torn weights: a pull is refused unless this rank is quiesced — an update
-session is open (which drained in-flight requests and holds new ones back), or
-generation is paused — and no batch is running. Pulls, begin and finalize run
-on the scheduler's own thread at a safe point between loop iterations
+Torn weights: a pull is refused unless this rank is quiesced — generation is
+paused (``/pause_generation``, any mode) or a weight-update session is open —
+and no batch is running. Pulls, begin and finalize run on the scheduler's own
+thread at a safe point between loop iterations
 (:mod:`sglang.srt.managers.scheduler_safe_point`), never beside a forward pass.
 """
 
@@ -34,7 +39,12 @@ from sglang.srt.managers.scheduler_safe_point import (
     wake_idle_sleeper_on_tasks,
 )
 from sglang.srt.ray.rdt import metrics as rdt_metrics
-from sglang.srt.ray.rdt.plan import WeightsInconsistentError, WeightSyncError
+from sglang.srt.ray.rdt.errors import (
+    WeightsInconsistentError,
+    WeightSyncError,
+    WeightUpdateConflictError,
+)
+from sglang.srt.ray.rdt.update_state import RankUpdateState
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +53,19 @@ SAFE_POINT_TIMEOUT_S = 120.0
 
 NOT_QUIESCED = (
     "refusing to pull weights while generation may run on this rank: {why}. "
-    "Open a weight-update session first — POST /weight_sync/begin, "
-    "RayEngine.begin_weight_sync() or WeightSyncClient.update() drain in-flight "
-    "requests and hold new ones until the update is finalized — or pause "
-    "generation (POST /pause_generation) and let running requests finish."
+    "Pause generation first — POST /pause_generation (mode abort, retract or "
+    "in_place), then POST /begin_weight_update; POST /weight_sync/begin, "
+    "RayEngine.begin_weight_sync() and WeightSyncClient.update() drain in-flight "
+    "requests and hold new ones instead — and end the update with "
+    "POST /end_weight_update and /continue_generation."
 )
 
-def failure_kind(exc: BaseException) -> str:
-    """The metrics ``kind`` of a failed pull."""
-    if isinstance(exc, WeightsInconsistentError):
-        return "transfer"
+
+def failure_kind(exc: BaseException) -> Optional[str]:
+    """The failure ``kind`` of a failed pull that the update state has not
+    counted itself (it counts conflicts and broken transfers)."""
+    if isinstance(exc, (WeightsInconsistentError, WeightUpdateConflictError)):
+        return None
     if isinstance(exc, WeightSyncError):
         return "rejected"
     return "other"
@@ -60,8 +73,7 @@ def failure_kind(exc: BaseException) -> str:
 
 def _is_quiesced(scheduler) -> Optional[str]:
     """None when a pull is safe now, else why not."""
-    updater = getattr(scheduler, "weight_updater", None)
-    session_open = getattr(updater, "_session", None) is not None
+    session_open = upstream_session_open(scheduler)
     paused = bool(getattr(scheduler, "_engine_paused", False))
     if not (session_open or paused):
         return "no weight-update session is open and generation is not paused"
@@ -72,6 +84,48 @@ def _is_quiesced(scheduler) -> Optional[str]:
     if not idle:
         return "a batch is still running (paused in place?)"
     return None
+
+
+def upstream_session_open(scheduler) -> bool:
+    """Whether sglang's weight-update session (begin_weight_update) is open."""
+    return getattr(getattr(scheduler, "weight_updater", None), "_session", None) is not None
+
+
+def run_post_load(scheduler) -> None:
+    """The model's post-load processing on every runner (what sglang's
+    end_weight_update does when a session made the pulls)."""
+    for _, runner in scheduler.weight_updater._select_runners("all"):
+        runner.weight_updater.end_weight_update(run_post_load=True)
+
+
+class _RankListener:
+    """The scheduler's weight events, forwarded to this rank's state and receiver."""
+
+    def __init__(self, actor: "RdtWeightSyncMixin"):
+        self._actor = actor
+
+    def on_weights_released(self) -> None:
+        self._actor._rdt_receiver.on_weights_released()
+
+    def on_weights_resumed(self) -> None:
+        self._actor._rdt_receiver.on_weights_resumed()
+
+    def on_weight_update_begin(self) -> None:
+        self._actor._rdt_state.begin()
+
+    def on_weight_update_end(self) -> Optional[str]:
+        if not self._actor._rdt_state.update_open:
+            return None  # aborted: abort_weight_update closed it already
+        return self._actor._on_update_end()
+
+    def on_generation_continued(self) -> None:
+        state = self._actor._rdt_state
+        if state.update_kind == "paused":
+            # Pulls under a plain pause that nobody finalized: the weights
+            # are live now, so they get their post-load processing here.
+            scheduler = self._actor.scheduler
+            logger.info("[RDT] continue_generation ends the update made under the pause")
+            self._actor._end_paused_update(scheduler)
 
 
 class RdtWeightSyncMixin:
@@ -112,23 +166,25 @@ class RdtWeightSyncMixin:
                 "--enable-memory-saver: parameter storage is released and re-mapped, "
                 "so it cannot stay registered; pulls register per call instead"
             )
+        self._rdt_rank_label = self._rank_labels()
+        self._rdt_state = RankUpdateState(
+            param_names=lambda: [n for n, _ in model_runner.model.named_parameters()],
+            rank=self._rank_text(),
+            weight_version=self._weight_version,
+        )
         self._rdt_receiver = RdtWeightReceiver(
             lambda: dict(model_runner.model.named_parameters()),
             device=device,
             pull_timeout_s=float(getattr(server_args, "rdt_pull_timeout", 60.0)),
             registration_disabled_reason=reason,
+            state=self._rdt_state,
         )
-        self._rdt_update_touched = False
-        self._rdt_updates = rdt_metrics.UpdateTracker()
-        self._rdt_rank_label = self._rank_labels()
         rdt_metrics.configure(
             bool(getattr(server_args, "enable_metrics", False)), self._rdt_rank_label
         )
-        from sglang.srt.managers.weight_memory_listeners import (
-            add_weight_memory_listener,
-        )
+        from sglang.srt.managers.weight_listeners import add_weight_listener
 
-        add_weight_memory_listener(self.scheduler, self._rdt_receiver)
+        add_weight_listener(self.scheduler, _RankListener(self))
         # The same-node fast path (CUDA IPC for GPUs, process_vm_readv for
         # CPU memory); Ray pushes custom transports to new actors
         # asynchronously, so register it here ourselves.
@@ -215,23 +271,20 @@ class RdtWeightSyncMixin:
             why = _is_quiesced(scheduler)
             if why is not None:
                 raise WeightSyncError(NOT_QUIESCED.format(why=why))
-            self._rdt_update_touched = True
             return receiver.pull(weights_refs, param_names, timeout)
 
         budget = (timeout or receiver.pull_timeout_s) + SAFE_POINT_TIMEOUT_S
         try:
-            stats = self._on_scheduler(run, budget)
+            return self._on_scheduler(run, budget)
         except BaseException as e:
             kind = failure_kind(e)
-            self._rdt_updates.fail(kind)
-            rdt_metrics.record_failure(kind)
+            if kind is not None:
+                self._rdt_state.fail(kind)
             raise
-        self._rdt_updates.on_pull(stats)
-        rdt_metrics.record_pull(stats)
-        return stats
 
     def begin_weight_update(self) -> Dict[str, Any]:
-        """Open sglang's weight-update session on this rank (engine session use)."""
+        """Open sglang's weight-update session on this rank (what
+        ``POST /begin_weight_update`` does for every rank)."""
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
 
         self._receiver()
@@ -240,8 +293,6 @@ class RdtWeightSyncMixin:
             out = scheduler.weight_updater.begin_weight_update(BeginWeightUpdateReqInput())
             if not out.success:
                 raise WeightSyncError(f"begin_weight_update failed: {out.message}")
-            self._rdt_update_touched = False
-            self._rdt_updates.start()
             return {"success": True}
 
         return self._on_scheduler(run)
@@ -249,92 +300,92 @@ class RdtWeightSyncMixin:
     def finalize_weight_update(
         self, weight_version: Optional[str] = None, flush_cache: bool = True
     ) -> Dict[str, Any]:
-        """Make the landed buckets servable: post-load processing, flush, version.
+        """End the update on this rank: version, post-load processing, flush.
 
-        Runs the model's ``post_load_weights`` through sglang's weight-update
-        lifecycle (closing the session ``begin_weight_update`` opened, or on its
-        own when the caller paused generation), flushes the prefix cache (its KV
-        was computed with the old weights) and records ``weight_version``.
-        Call it once per update, after every rank's pulls returned.
+        The actor-call spelling of ``/update_weight_version`` +
+        ``/end_weight_update`` (+ a cache flush: its KV was computed with the
+        old weights). Without an open session (the caller only paused
+        generation), it runs the model's post-load processing itself. Call it
+        once per update, after every rank's pulls returned. Raises
+        ``WeightSyncError`` with the rank's message when the update was not a
+        clean one (a broken transfer, two writers of one parameter).
         """
         from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
 
-        receiver = self._receiver()
+        self._receiver()
 
         def run(scheduler):
-            updater = scheduler.weight_updater
-            if updater._session is not None:
-                out = updater.end_weight_update(EndWeightUpdateReqInput())
-                if not out.success:
-                    raise WeightSyncError(f"end_weight_update failed: {out.message}")
+            if weight_version is not None:
+                scheduler.record_weight_version_change(new_version=str(weight_version))
+            if upstream_session_open(scheduler):
+                out = scheduler.weight_updater.end_weight_update(EndWeightUpdateReqInput())
+                problem = None if out.success else out.message
             else:
                 why = _is_quiesced(scheduler)
                 if why is not None:
                     raise WeightSyncError(
                         "refusing to finalize while generation may run: " + why
                     )
-                for _, runner in updater._select_runners("all"):
-                    runner.weight_updater.end_weight_update(run_post_load=True)
+                problem = self._end_paused_update(scheduler)
             flushed = scheduler.flush_cache() if flush_cache else False
-            if weight_version is not None:
-                scheduler.record_weight_version_change(new_version=str(weight_version))
-            receiver.mark_consistent()
-            receiver.end_of_update()
-            self._rdt_update_touched = False
+            if problem:
+                raise WeightSyncError(f"the update ended inconsistent: {problem}")
             return {
                 "success": True,
                 "flushed_cache": bool(flushed),
                 "weight_version": self._weight_version(),
+                "update": self._rdt_state.last_update,
             }
 
         try:
-            result = self._on_scheduler(run)
-        except BaseException:
-            self._rdt_updates.fail("finalize")
-            rdt_metrics.record_failure("finalize")
+            return self._on_scheduler(run)
+        except WeightSyncError:
             raise
-        summary = self._rdt_updates.finish(
-            result["weight_version"], flushed_cache=result["flushed_cache"]
-        )
-        rdt_metrics.record_update(summary["update_seconds"])
-        logger.info(rdt_metrics.format_update(summary, self._rank_text()))
-        result["update"] = summary
-        return result
+        except BaseException:
+            self._rdt_state.fail("finalize")
+            raise
+
+    def _end_paused_update(self, scheduler) -> Optional[str]:
+        """Close an update made under a plain pause (no session): the model's
+        post-load processing, then the update state's end."""
+        run_post_load(scheduler)
+        return self._on_update_end()
+
+    def _on_update_end(self) -> Optional[str]:
+        summary = self._rdt_state.end()
+        self._rdt_receiver.end_of_update()
+        if summary["consistent"]:
+            return None
+        return summary["inconsistent_reason"]
 
     def _rank_text(self) -> str:
         r = self._rdt_rank_label
         return f"dp{r['dp_rank']}/pp{r['pp_rank']}/tp{r['tp_rank']}"
 
     def abort_weight_update(self, reason: str = "update aborted") -> Dict[str, Any]:
-        """Close an open session without a version bump.
+        """Close the update without a version bump.
 
         If any pull ran in it, this rank reports its weights as inconsistent
-        until a later update is finalized.
+        until a later clean update ends.
         """
         from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
 
         receiver = self._receiver()
 
         def run(scheduler):
-            updater = scheduler.weight_updater
-            if updater._session is not None:
-                updater.end_weight_update(EndWeightUpdateReqInput())
-            if self._rdt_update_touched:
-                receiver.mark_inconsistent(reason)
+            status = self._rdt_state.abort(reason)  # first: end is then a no-op
+            if upstream_session_open(scheduler):
+                scheduler.weight_updater.end_weight_update(EndWeightUpdateReqInput())
             receiver.end_of_update()
-            self._rdt_update_touched = False
-            return receiver.status()
+            return status
 
-        self._rdt_updates.fail("abort")
-        rdt_metrics.record_failure("abort")
         return self._on_scheduler(run)
 
     def get_weight_sync_status(self) -> Dict[str, Any]:
-        """Consistency, registration and transfer counters of this rank."""
+        """Consistency, the update in progress, registration and counters."""
         status = {"enabled": self._rdt_enabled, "weight_version": self._weight_version()}
         if self._rdt_receiver is not None:
             status.update(self._rdt_receiver.status())
-            status["last_update"] = self._rdt_updates.last
             status["transports"] = list(self._rdt_transports)
             from sglang.srt.ray.rdt import nixl_progress
 
@@ -345,19 +396,23 @@ class RdtWeightSyncMixin:
 
     def get_weight_sync_stats(self) -> Dict[str, Any]:
         """Per-update figures of this rank: ``last_update`` (tensors, bytes,
-        seconds, GB/s, transport, weight_version — the same as its log line),
-        ``updates``, ``failures`` by kind, the pull counters and whether
-        Prometheus metrics are on."""
-        receiver = self._receiver()
-        out = self._rdt_updates.snapshot()
-        out.update(
-            rank=self._rdt_rank_label,
-            weight_version=self._weight_version(),
-            pulls={k: v for k, v in receiver.stats.items() if k != "last_pull"},
-            last_pull=receiver.stats.get("last_pull"),
-            metrics_enabled=rdt_metrics.enabled(),
-        )
-        return out
+        seconds, GB/s, transport, writers, parameters updated, weight_version
+        — the same as its log line), ``updates``, ``failures`` by kind, the
+        pull counters and whether Prometheus metrics are on."""
+        self._receiver()
+        st = self._rdt_state.status()
+        return {
+            "updates": st["updates"],
+            "failed_updates": st["failed_updates"],
+            "failures": st["failures"],
+            "last_update": st["last_update"],
+            "update_in_progress": st["update_in_progress"],
+            "rank": self._rdt_rank_label,
+            "weight_version": st["weight_version"],
+            "pulls": {k: st[k] for k in ("pulls", "failed_pulls", "tensors", "bytes", "seconds")},
+            "last_pull": st["last_pull"],
+            "metrics_enabled": rdt_metrics.enabled(),
+        }
 
     def get_parallelism_config(self) -> Dict[str, Any]:
         """This rank's parallel layout (the same record the bootstrap server serves)."""

@@ -22,7 +22,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
 
-from sglang.srt.ray.rdt.plan import WeightSyncError
+from sglang.srt.ray.rdt.errors import WeightSyncError
 
 # Offsets inside a bucket are multiples of this (covers every dtype's alignment
 # and a GPU cache line).

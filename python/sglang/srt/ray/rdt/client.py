@@ -72,7 +72,15 @@ from sglang.srt.ray.rdt.buckets import (
     group_ranks,
     plan_steps,
 )
-from sglang.srt.ray.rdt.plan import WeightSyncError
+from sglang.srt.ray.rdt.errors import (
+    WeightSyncError,
+    WeightSyncRankError,
+    WeightSyncSessionError,
+    describe,
+    unwrap,
+)
+from sglang.srt.ray.rdt.ranks import gather
+from sglang.srt.ray.rdt.session import DEFAULT_LEASE_S
 from sglang.srt.ray.rdt.sender import NUM_SLOTS, sender_actor_class
 
 logger = logging.getLogger(__name__)
@@ -86,7 +94,8 @@ DEFAULT_GPU_BUCKET_BYTES = 1 << 30
 
 def default_bucket_bytes(device: str) -> int:
     return DEFAULT_GPU_BUCKET_BYTES if str(device).startswith("cuda") else DEFAULT_BUCKET_BYTES
-DEFAULT_LEASE_S = 300.0
+
+
 DEFAULT_CALL_TIMEOUT_S = 120.0
 # A rank runs a pull at its scheduler's next safe point (up to 120 s away)
 # and then bounds the transfer itself (its --rdt-pull-timeout, 60 s default).
@@ -95,52 +104,6 @@ PULL_WAIT_MARGIN_S = 150.0
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
 Progress = Callable[["BucketStats", int, int], None]
-
-
-class WeightSyncRankError(WeightSyncError):
-    """One or more ranks failed; names the first and carries every failure.
-
-    Attributes:
-        rank: index of the first failing rank (in :attr:`WeightSyncClient.ranks`).
-        actor_name: its SchedulerActor name (``None`` for handles without one).
-        phase: what the client was doing (``"pull of bucket 2/5"``, ``"register"``).
-        cause: the rank's own exception (unwrapped from Ray's ``RayTaskError``).
-        failures: ``[(rank, cause), ...]`` for every rank that failed.
-        aborted: whether the client aborted the engine's update session.
-    """
-
-    def __init__(self, rank: int, actor_name: Optional[str], phase: str,
-                 cause: BaseException, failures: Sequence[Tuple[int, BaseException]]):
-        self.rank, self.actor_name, self.phase, self.cause = rank, actor_name, phase, cause
-        self.failures = list(failures)
-        self.aborted = False
-        who = f"rank {rank}" + (f" ({actor_name})" if actor_name else "")
-        msg = f"{who} failed during {phase}: {_describe(cause)}"
-        others = [r for r, _ in self.failures if r != rank]
-        if others:
-            msg += f" [also failed: rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}]"
-        super().__init__(msg)
-
-
-class WeightSyncSessionError(WeightSyncError):
-    """The engine's update session could not be opened, ended or aborted."""
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """The rank's own exception inside Ray's wrappers, when there is one."""
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, BaseException) else e
-
-
-def _describe(e: BaseException) -> str:
-    import ray
-
-    text = str(e).strip()
-    if isinstance(e, ray.exceptions.RayActorError):
-        return f"the actor died or is unreachable ({type(e).__name__}: {text.splitlines()[0] if text else ''})"
-    if len(text) > 2000:
-        text = text[:2000] + " ..."
-    return f"{type(e).__name__}: {text}"
 
 
 # --------------------------------------------------------------------------- #
@@ -374,8 +337,8 @@ class WeightSyncClient:
                 for tp in range(tp_size):
                     bundle = bundle_index(dp, pp, tp) if callable(bundle_index) else bundle_index
                     name = get_scheduler_actor_name(
-                        node_ip, dp_rank=dp, pp_rank=pp, tp_rank=tp,
-                        bundle_index=bundle, port=port,
+                        rank0_node_ip=node_ip, dp_rank=dp, pp_rank=pp, tp_rank=tp,
+                        port=port, bundle_idx=bundle,
                     )
                     try:
                         actors.append(ray.get_actor(name, namespace=namespace))
@@ -398,25 +361,7 @@ class WeightSyncClient:
     # ------------------------------------------------------------------ #
     def _gather(self, calls: Sequence[Tuple[int, Any]], phase: str, timeout_s: float) -> Dict[int, Any]:
         """Wait for ``[(rank, ref)]``; one :class:`WeightSyncRankError` if any failed."""
-        import ray
-
-        refs = [ref for _, ref in calls]
-        _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        pending = set(not_ready)
-        results, failures = {}, []
-        for rank, ref in calls:
-            if ref in pending:
-                failures.append((rank, TimeoutError(
-                    f"no answer within {timeout_s:.0f} s (is its scheduler stuck?)")))
-                continue
-            try:
-                results[rank] = ray.get(ref)
-            except Exception as e:
-                failures.append((rank, _unwrap(e)))
-        if failures:
-            rank, cause = failures[0]
-            raise WeightSyncRankError(rank, self.ranks[rank].name, phase, cause, failures)
-        return results
+        return gather(calls, phase, timeout_s, lambda rank: self.ranks[rank].name)
 
     def _call_all(self, method: str, *args, timeout_s: Optional[float] = None) -> List[Any]:
         calls = [(r.index, getattr(r.actor, method).remote(*args)) for r in self.ranks]
@@ -487,9 +432,9 @@ class WeightSyncClient:
                 return getattr(sender, method)(*args)
             return ray.get(getattr(sender, method).remote(*args), timeout=self.call_timeout_s)
         except Exception as e:
-            cause = _unwrap(e)
+            cause = unwrap(e)
             raise WeightSyncError(
-                f"the bucket sender failed in {method}: {_describe(cause)}"
+                f"the bucket sender failed in {method}: {describe(cause)}"
             ) from cause
 
     def _prepare_sender(self, buffer_bytes: int) -> None:
@@ -526,7 +471,7 @@ class WeightSyncClient:
                 ray.get(ref, timeout=self.call_timeout_s)
             except Exception as e:
                 logger.warning("[RDT] %s did not release its mappings of the buckets: %s",
-                               r.label(), _describe(_unwrap(e)))
+                               r.label(), describe(unwrap(e)))
 
     def _reclaim_stuck(self) -> None:
         """Free slots a failed update left in flight, once their pulls are over."""

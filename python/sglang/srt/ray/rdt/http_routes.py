@@ -1,60 +1,85 @@
-"""HTTP endpoints of the weight-update session (added to the Ray HTTP server).
+"""HTTP endpoints that --enable-rdt-weight-sync adds to the Ray HTTP server.
 
+sglang's own lifecycle endpoints (``/pause_generation``,
+``/begin_weight_update``, ``/update_weight_version``, ``/end_weight_update``,
+``/continue_generation``) are *the* way to drive an update (what miles does);
+these add:
+
+    GET  /parallelism_config[?rank=R]  the per-rank layout (the same records the
+                                       engine-info bootstrap server serves)
     POST /weight_sync/begin   {"lease_s": 300, "drain_timeout_s": 120}
     POST /weight_sync/end     {"weight_version": "7", "flush_cache": true, "session_id": ...}
     POST /weight_sync/abort   {"reason": "...", "session_id": ...}
-    GET  /weight_sync/status  engine + per-rank status (consistency, counters)
+    GET  /weight_sync/status  the engine's view: session, consistency, version,
+                              updates, and every rank's own status
 
-See :mod:`sglang.srt.ray.rdt.session` for the guarantees.
+``/weight_sync/*`` is the same lifecycle with a drain and a lease
+(:mod:`sglang.srt.ray.rdt.session`); the update state itself lives in each
+rank (:mod:`sglang.srt.ray.rdt.update_state`), and the engine-wide figures
+below are derived from the ranks, never stored here.
 """
 
 from __future__ import annotations
 
-import asyncio
 from http import HTTPStatus
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from fastapi import Body, Request
 from fastapi.responses import ORJSONResponse
 
-from sglang.srt.ray.rdt.session import WeightSyncSession, WeightSyncSessionError
+from sglang.srt.ray.rdt.errors import WeightSyncSessionError
+from sglang.srt.ray.rdt.ranks import call_ranks_async
+from sglang.srt.ray.rdt.session import WeightSyncSession
 from sglang.srt.utils.auth import AuthLevel, auth_level
 
 STATUS_RANK_TIMEOUT_S = 10.0
 
 
-async def rank_statuses(session: WeightSyncSession) -> Dict[str, Any]:
-    import ray
-
-    actors = session._get_actors()
-    refs = [a.get_weight_sync_status.remote() for a in actors]
-    loop = asyncio.get_running_loop()
-    try:
-        ranks = await loop.run_in_executor(
-            None, lambda: ray.get(refs, timeout=STATUS_RANK_TIMEOUT_S)
-        )
-    except Exception as e:
-        return {"ranks": None, "ranks_error": f"{type(e).__name__}: {e}"}
-    return {"ranks": ranks}
+def engine_view(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The engine-wide figures, derived from every rank's status."""
+    bad = [r for r in ranks if not r.get("weights_consistent", True)]
+    versions = {r.get("weight_version") for r in ranks}
+    return {
+        "weights_consistent": not bad,
+        "inconsistent_reason": bad[0].get("inconsistent_reason") if bad else None,
+        "weight_version": versions.pop() if len(versions) == 1 else sorted(map(str, versions)),
+        "updates": min((r.get("updates", 0) for r in ranks), default=0),
+        "failed_updates": max((r.get("failed_updates", 0) for r in ranks), default=0),
+    }
 
 
 async def full_status(session: WeightSyncSession) -> Dict[str, Any]:
     status = session.status()
-    status.update(await rank_statuses(session))
-    ranks = status.get("ranks") or []
-    if any(not r.get("weights_consistent", True) for r in ranks):
-        status["weights_consistent"] = False
-        status["inconsistent_reason"] = status["inconsistent_reason"] or next(
-            r.get("inconsistent_reason") for r in ranks if not r.get("weights_consistent", True)
+    try:
+        ranks = await call_ranks_async(
+            session.get_actors(), "get_weight_sync_status", timeout_s=STATUS_RANK_TIMEOUT_S
         )
+    except Exception as e:
+        status.update(
+            weights_consistent=False,
+            inconsistent_reason=f"the ranks' status could not be read: {e}",
+            ranks=None,
+        )
+        return status
+    status.update(engine_view(ranks), ranks=ranks)
     return status
 
 
-def install_weight_sync_routes(app, session: WeightSyncSession) -> None:
+def install_weight_sync_routes(app, server_args, launched) -> WeightSyncSession:
     from sglang.srt.entrypoints.server_info_extras import register_server_info_provider
+    from sglang.srt.model_executor.parallelism_config import (
+        current_store,
+        install_parallelism_config_read_route,
+    )
 
+    session = WeightSyncSession(
+        launched.tokenizer_manager,
+        lambda: launched.scheduler_init_result.scheduler_actors,
+    )
+    install_parallelism_config_read_route(app, current_store)
     # /server_info carries the same status under "weight_sync".
     register_server_info_provider("weight_sync", lambda: full_status(session))
+
     async def call(coro):
         try:
             return ORJSONResponse({"success": True, **(await coro)})
@@ -99,3 +124,5 @@ def install_weight_sync_routes(app, session: WeightSyncSession) -> None:
     @app.get("/weight_sync/status")
     async def weight_sync_status(request: Request):
         return ORJSONResponse(await full_status(session))
+
+    return session

@@ -33,11 +33,12 @@ unconditionally::
 
 Failure ``kind`` values used by the engine: ``"rejected"`` (a pull refused
 before any byte moved: bad names/shapes/dtypes, not quiesced),
-``"transfer"`` (a transfer broke mid-way: weights inconsistent),
-``"finalize"``, ``"abort"``, ``"other"``.
+``"conflict"`` (a pull refused because another writer wrote one of its
+parameters in the same update), ``"transfer"`` (a transfer broke mid-way:
+weights inconsistent), ``"finalize"``, ``"abort"``, ``"other"``.
 
-:class:`UpdateTracker` sums the pulls of one update and gives the per-update
-summary (and log line, :func:`format_update`) a rank reports at finalize.
+The rank's :class:`~sglang.srt.ray.rdt.update_state.RankUpdateState` is the
+only caller: it records what it owns (pulls, updates, failures) here.
 """
 
 from __future__ import annotations
@@ -45,15 +46,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
 # Seconds: a 1 MiB CPU pull takes ~1 ms, a 16 GiB GPU update ~0.1 s, a
 # cross-node update of a large model many seconds.
 SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
-FAILURE_KINDS = ("rejected", "transfer", "finalize", "abort", "other")
+FAILURE_KINDS = ("rejected", "conflict", "transfer", "finalize", "abort", "other")
 
 LABEL_NAMES = ("dp_rank", "pp_rank", "tp_rank")
 
@@ -225,100 +225,3 @@ def record_update(seconds: Optional[float] = None) -> None:
 def record_failure(kind: str) -> None:
     """Count a failure: ``"rejected"``, ``"transfer"``, ``"finalize"``, ``"abort"``."""
     _safe("record_failure", kind)
-
-
-# --------------------------------------------------------------------------- #
-# One update on one rank: the summary behind the per-update log line
-# --------------------------------------------------------------------------- #
-class UpdateTracker:
-    """Sums the pulls of the update in progress on one rank.
-
-    ``start()`` when a session opens (or implicitly at the first pull),
-    ``on_pull(stats)`` after every pull, ``finish(version)`` at finalize
-    (returns the summary, also kept as :attr:`last`), ``fail(kind)`` for a
-    failure (counted; an aborted update also drops what it summed).
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self._clock = clock
-        self.last: Optional[Dict[str, Any]] = None
-        self.updates = 0
-        self.failures: Dict[str, int] = {}
-        self._reset()
-
-    def _reset(self) -> None:
-        self._started: Optional[float] = None
-        self._pulls = 0
-        self._tensors = 0
-        self._bytes = 0
-        self._transfer_s = 0.0
-        self._pull_s = 0.0
-        self._transports: List[str] = []
-
-    @property
-    def active(self) -> bool:
-        return self._started is not None
-
-    def start(self) -> None:
-        self._reset()
-        self._started = self._clock()
-
-    def on_pull(self, stats: Mapping[str, Any]) -> None:
-        if self._started is None:
-            self._started = self._clock() - float(stats.get("seconds") or 0.0)
-        self._pulls += 1
-        self._tensors += int(stats.get("tensors", 0))
-        self._bytes += int(stats.get("bytes", 0))
-        self._transfer_s += float(stats.get("fetch_seconds", stats.get("seconds", 0.0)) or 0.0)
-        self._pull_s += float(stats.get("seconds") or 0.0)
-        for t in str(stats.get("transport") or "").split(","):
-            if t and t not in self._transports:
-                self._transports.append(t)
-
-    def fail(self, kind: str) -> None:
-        self.failures[kind] = self.failures.get(kind, 0) + 1
-        if kind == "abort":
-            self._reset()
-
-    def finish(self, weight_version: Optional[str], **extra: Any) -> Dict[str, Any]:
-        now = self._clock()
-        seconds = now - self._started if self._started is not None else 0.0
-        summary = {
-            "weight_version": weight_version,
-            "pulls": self._pulls,
-            "tensors": self._tensors,
-            "bytes": self._bytes,
-            "transfer_seconds": self._transfer_s,
-            "pull_seconds": self._pull_s,
-            "gbps": self._bytes / self._transfer_s / 1e9 if self._transfer_s > 0 else 0.0,
-            "transport": ",".join(self._transports) or "none",
-            "update_seconds": seconds,
-            **extra,
-        }
-        self.updates += 1
-        self.last = summary
-        self._reset()
-        return summary
-
-    def snapshot(self) -> Dict[str, Any]:
-        return {
-            "updates": self.updates,
-            "failures": dict(self.failures),
-            "last_update": self.last,
-            "update_in_progress": {
-                "pulls": self._pulls, "tensors": self._tensors, "bytes": self._bytes,
-            } if self.active else None,
-        }
-
-
-def format_update(summary: Mapping[str, Any], rank: str = "") -> str:
-    """The one log line of a finalized update."""
-    where = f" {rank}" if rank else ""
-    return (
-        f"[RDT] weight update{where} done: weight_version={summary.get('weight_version')} "
-        f"tensors={summary['tensors']} bytes={summary['bytes']} "
-        f"({summary['bytes'] / 2**20:.2f} MiB) in {summary['pulls']} pulls, "
-        f"transfer {summary['transfer_seconds']:.4f} s ({summary['gbps']:.3f} GB/s), "
-        f"update {summary['update_seconds']:.3f} s, transport={summary['transport']}"
-        + (f", cache flushed={summary['flushed_cache']}" if "flushed_cache" in summary else "")
-    )

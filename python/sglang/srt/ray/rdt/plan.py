@@ -16,13 +16,7 @@ from typing import Any, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
-
-class WeightSyncError(ValueError):
-    """A pull that was rejected or failed; the message says what and what to do."""
-
-
-class WeightsInconsistentError(WeightSyncError):
-    """A transfer broke after bytes may have landed: weights are a mix now."""
+from sglang.srt.ray.rdt.errors import WeightSyncError
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,11 @@ A pull:
 4. fetches all refs with one bounded ``ray.get`` and checks that every returned
    tensor *is* its target (same data pointer) — otherwise the pull fails loudly.
 
-A failure in step 4 can leave some parameters written and others not; the
-receiver then reports its weights as inconsistent until a complete update is
-finalized (:meth:`mark_consistent`).
+Before step 3 the rank's :class:`~sglang.srt.ray.rdt.update_state.RankUpdateState`
+admits the pull (no parameter may be written by two writers in one update);
+after step 4 it records what landed and who wrote it. A failure in step 4 can
+leave some parameters written and others not; the state then reports the
+rank's weights as inconsistent until a clean update ends.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from sglang.srt.ray.rdt.nixl_progress import configure_nixl_progress_thread
+from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
+from sglang.srt.ray.rdt.update_state import RankUpdateState, Writer
 from sglang.srt.ray.rdt.plan import (
     TensorSpec,
-    WeightsInconsistentError,
-    WeightSyncError,
     group_names,
     plan_pull,
     storage_key,
@@ -65,6 +67,28 @@ def _rdt_manager():
     import ray
 
     return ray._private.worker.global_worker.rdt_manager
+
+
+def ref_writer(ref) -> Writer:
+    """Who put ``ref``: its RDT source actor, or the driver process that put it.
+
+    Taken from Ray's own record of the object (the caller cannot omit or
+    choose it), so two trainer processes are always two writers.
+    """
+    meta = _rdt_manager().get_rdt_metadata(ref.hex())
+    src = getattr(meta, "src_actor", None)
+    actor_id = getattr(src, "_actor_id", None)
+    if actor_id is not None:
+        name = getattr(getattr(src, "_ray_actor_creation_function_descriptor", None),
+                       "class_name", None)
+        label = f"actor {name or 'Actor'}({actor_id.hex()[:12]})"
+        return Writer(f"actor:{actor_id.hex()}", label)
+    from ray.core.generated.common_pb2 import Address
+
+    owner = Address()
+    owner.ParseFromString(ref.owner_address())
+    worker = owner.worker_id.hex()
+    return Writer(f"worker:{worker}", f"driver worker {worker[:12]} at {owner.ip_address}")
 
 
 def ref_tensor_specs(ref, timeout_s: float) -> List[TensorSpec]:
@@ -226,6 +250,7 @@ class RdtWeightReceiver:
         pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
         registration_disabled_reason: Optional[str] = None,
         registrations: Optional[RegistrationBook] = None,
+        state: Optional[RankUpdateState] = None,
     ):
         # Before this process's NIXL agent exists: its progress thread must
         # not spin a core for the life of the rank (see nixl_progress).
@@ -240,13 +265,8 @@ class RdtWeightReceiver:
         self._want_registered = False
         self._registered_layout = None  # params' (data_ptr, numel) at the last sync
         self._weights_released = False
-        # consistent | inconsistent
-        self._state = "consistent"
-        self._state_reason: Optional[str] = None
-        self.stats: Dict[str, Any] = {
-            "pulls": 0, "failed_pulls": 0, "tensors": 0, "bytes": 0, "seconds": 0.0,
-            "last_pull": None,
-        }
+        # What updates wrote, consistency and counters (the rank's one owner).
+        self.state = state or RankUpdateState(param_names=lambda: list(get_params()))
 
     # ------------------------------------------------------------------ #
     # Registration
@@ -343,28 +363,14 @@ class RdtWeightReceiver:
     def registered(self) -> bool:
         return bool(self._registrations)
 
-    # ------------------------------------------------------------------ #
-    # Consistency
-    # ------------------------------------------------------------------ #
-    def mark_inconsistent(self, reason: str) -> None:
-        self._state, self._state_reason = "inconsistent", reason
-
-    def mark_consistent(self) -> None:
-        self._state, self._state_reason = "consistent", None
-
-    @property
-    def consistent(self) -> bool:
-        return self._state == "consistent"
-
     def status(self) -> Dict[str, Any]:
+        """Registration facts plus the update state's status."""
         return {
-            "weights_consistent": self.consistent,
-            "inconsistent_reason": self._state_reason,
+            **self.state.status(),
             "registered": self.registered,
             "registrations": len(self._registrations or ()),
             "weights_released": self._weights_released,
             "registration_disabled_reason": self._registration_disabled_reason,
-            **{k: v for k, v in self.stats.items()},
         }
 
     # ------------------------------------------------------------------ #
@@ -419,7 +425,10 @@ class RdtWeightReceiver:
             warn_if_expandable_segments([t for ts in targets for t in ts])
             nbytes = sum(t.numel() * t.element_size() for ts in targets for t in ts)
             ntensors = sum(len(ts) for ts in targets)
+            writes = [(ns, ref_writer(r)) for ns, r in zip(names, refs)]
+            self.state.admit(writes)  # no parameter written by two writers
             t_plan = time.perf_counter() - t0
+            all_names = [n for ns in names for n in ns]
 
             from ray.experimental import set_target_for_ref
 
@@ -431,22 +440,24 @@ class RdtWeightReceiver:
             try:
                 results = ray.get(refs, timeout=timeout_s)
             except BaseException as e:
-                self.stats["failed_pulls"] += 1
                 reason = (
                     f"a pull of {ntensors} tensors failed mid-transfer after "
                     f"{time.perf_counter() - t1:.2f} s ({type(e).__name__}); some "
                     "parameters may hold new bytes and others old ones"
                 )
-                self.mark_inconsistent(reason)
+                self.state.transfer_failed(all_names, reason)
                 logger.error("[RDT] %s: %s", reason, e)
                 raise WeightsInconsistentError(
                     f"{reason}. The engine reports its weights as inconsistent until a "
-                    f"complete update is finalized. Cause: {type(e).__name__}: {e}"
+                    f"complete update ends. Cause: {type(e).__name__}: {e}"
                 ) from e
             t_fetch = time.perf_counter() - t1
             transports = sorted({transport_used(r) for r in refs})
-            self._verify_in_place(results, targets, names)
+            problem = self._check_in_place(results, targets, names)
             del results
+            if problem is not None:
+                self.state.transfer_failed(all_names, problem)
+                raise WeightsInconsistentError(problem)
             seconds = time.perf_counter() - t0
 
         stats = {
@@ -457,35 +468,31 @@ class RdtWeightReceiver:
             "plan_seconds": t_plan,
             "gbps": nbytes / t_fetch / 1e9 if t_fetch > 0 else float("inf"),
             "refs": len(refs),
+            "transports": transports,
             "transport": ",".join(transports),
             "registered": self.registered,
         }
-        self.stats["pulls"] += 1
-        self.stats["tensors"] += ntensors
-        self.stats["bytes"] += nbytes
-        self.stats["seconds"] += seconds
-        self.stats["last_pull"] = stats
+        self.state.landed(writes, stats)
         logger.info(
             "[RDT] pulled %d tensors, %.1f MiB in %.3f s (%.2f GB/s, transport=%s, registered=%s)",
             ntensors, nbytes / 2**20, t_fetch, stats["gbps"], stats["transport"], self.registered,
         )
         return stats
 
-    def _verify_in_place(self, results, targets, names) -> None:
+    @staticmethod
+    def _check_in_place(results, targets, names) -> Optional[str]:
+        """None when every fetched tensor *is* its target, else what went wrong."""
         for ref_idx, (got, want, ns) in enumerate(zip(results, targets, names)):
             got = list(got) if isinstance(got, (list, tuple)) else [got]
             if len(got) != len(want):
-                self.mark_inconsistent("a pull returned a different number of tensors")
-                raise WeightsInconsistentError(
-                    f"ref {ref_idx} returned {len(got)} tensors for {len(want)} targets"
-                )
+                return f"ref {ref_idx} returned {len(got)} tensors for {len(want)} targets"
             for g, w, n in zip(got, want, ns):
                 if not isinstance(g, torch.Tensor) or g.data_ptr() != w.data_ptr():
                     # Ray fetched into a buffer of its own: the model did not change
                     # (or changed only partly if other tensors did land).
-                    self.mark_inconsistent(f"{n!r} was not written in place")
-                    raise WeightsInconsistentError(
+                    return (
                         f"{n!r} was fetched into a new buffer instead of the live "
                         "parameter (target dropped by Ray?); the model was not updated "
                         "in place"
                     )
+        return None

@@ -1,21 +1,28 @@
-"""The engine's weight-update session: quiesce, let ranks pull, finalize.
+"""The engine's weight-update session: sglang's own lifecycle, plus a drain and a lease.
 
-An update must never be half-visible: no request may compute with some
-parameters old and others new, and no request may span two versions. The
-session gives that guarantee at the engine's front door (the tokenizer manager,
-where requests enter):
+``/weight_sync/begin|end|abort`` (and ``RayEngine.begin/end/abort_weight_sync``)
+are another spelling of sglang's weight-update lifecycle — the one miles drives
+with ``/pause_generation`` → ``/begin_weight_update`` → pulls →
+``/update_weight_version`` → ``/end_weight_update`` → ``/continue_generation``.
+They keep no update state of their own: each rank's
+:class:`~sglang.srt.ray.rdt.update_state.RankUpdateState` owns it (what was
+written, consistency, counters), fed by the scheduler's lifecycle events.
+What the session adds:
 
 ``begin``
-    take the tokenizer manager's model-update *writer* lock — it waits until
-    every in-flight request finished and holds new ones back — then open
-    sglang's weight-update session on every rank (``begin_weight_update``);
+    takes the tokenizer manager's model-update *writer* lock — it waits until
+    every in-flight request finished and holds new ones back (a drain, where
+    ``pause_generation`` aborts or retracts) — then ``begin_weight_update`` on
+    every rank;
 ``end(weight_version)``
-    on every rank: post-load processing, cache flush, version bump
-    (``finalize_weight_update``); then release the lock, so requests resume on
-    the complete new weights;
+    ``update_weight_version``, ``end_weight_update`` (post-load processing),
+    a cache flush, then releases the lock so requests resume on the complete
+    new weights. A rank that reports a problem with the update (a transfer
+    that broke, two trainers writing one parameter) makes ``end`` fail with
+    its message — after the session is closed;
 ``abort``
-    close the session without a version bump; ranks that pulled report their
-    weights as inconsistent until a later update is finalized.
+    closes the session on every rank without a version bump; ranks that
+    pulled report their weights as inconsistent until a clean update ends.
 
 A session not ended within its lease (the trainer died, say) is aborted by the
 engine itself, so a dead trainer cannot stop serving forever.
@@ -29,15 +36,13 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
+from sglang.srt.ray.rdt.errors import WeightSyncSessionError
+from sglang.srt.ray.rdt.ranks import call_ranks_async
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 300.0
 DEFAULT_DRAIN_TIMEOUT_S = 120.0
-RANK_CALL_TIMEOUT_S = 300.0
-
-
-class WeightSyncSessionError(RuntimeError):
-    pass
 
 
 class WeightSyncSession:
@@ -45,40 +50,28 @@ class WeightSyncSession:
 
     def __init__(self, tokenizer_manager, get_actors: Callable[[], List[Any]]):
         self._tm = tokenizer_manager
-        self._get_actors = get_actors
+        self.get_actors = get_actors
         self._mutex = asyncio.Lock()
         self._session_id: Optional[str] = None
         self._opened_at: Optional[float] = None
         self._lease_task: Optional[asyncio.Task] = None
-        self.weights_consistent = True
-        self.inconsistent_reason: Optional[str] = None
-        self.weight_version: Optional[str] = None
-        self.updates = 0
-        self.failures = 0
-
-    # ------------------------------------------------------------------ #
-    async def _on_ranks(self, method: str, *args, timeout_s: float = RANK_CALL_TIMEOUT_S):
-        import ray
-
-        actors = self._get_actors()
-        if not actors:
-            raise WeightSyncSessionError("the engine has no scheduler actors")
-        refs = [getattr(a, method).remote(*args) for a in actors]
-        loop = asyncio.get_running_loop()
-        # ray.get in a worker thread keeps the engine's event loop serving.
-        return await loop.run_in_executor(None, lambda: ray.get(refs, timeout=timeout_s))
 
     def status(self) -> Dict[str, Any]:
         return {
             "update_open": self._session_id is not None,
             "session_id": self._session_id,
             "open_seconds": (time.monotonic() - self._opened_at) if self._opened_at else None,
-            "weights_consistent": self.weights_consistent,
-            "inconsistent_reason": self.inconsistent_reason,
-            "weight_version": self.weight_version,
-            "updates": self.updates,
-            "failed_updates": self.failures,
         }
+
+    async def _lifecycle(self, communicator_name: str, obj) -> None:
+        """One of sglang's lifecycle calls on every rank (the writer lock is
+        held by this session already, so the communicator is called directly)."""
+        from sglang.srt.managers.communicator import FanOutCommunicator
+
+        results = await getattr(self._tm, communicator_name)(obj)
+        success, message = FanOutCommunicator.merge_results(results)
+        if not success:
+            raise WeightSyncSessionError(message)
 
     # ------------------------------------------------------------------ #
     async def begin(
@@ -86,6 +79,8 @@ class WeightSyncSession:
         lease_s: float = DEFAULT_LEASE_S,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     ) -> Dict[str, Any]:
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
+
         async with self._mutex:
             if self._session_id is not None:
                 raise WeightSyncSessionError(
@@ -101,7 +96,9 @@ class WeightSyncSession:
                     "nothing was changed (raise drain_timeout_s or abort requests)"
                 ) from None
             try:
-                await self._on_ranks("begin_weight_update")
+                await self._lifecycle(
+                    "begin_weight_update_communicator", BeginWeightUpdateReqInput()
+                )
             except BaseException:
                 await lock.release_writer()
                 raise
@@ -120,22 +117,30 @@ class WeightSyncSession:
         self, weight_version: Optional[str] = None, flush_cache: bool = True,
         session_id: Optional[str] = None,
     ) -> Dict[str, Any]:
+        from sglang.srt.managers.io_struct import (
+            EndWeightUpdateReqInput,
+            UpdateWeightVersionReqInput,
+        )
+
         async with self._mutex:
             self._check_open(session_id)
             try:
-                results = await self._on_ranks(
-                    "finalize_weight_update", weight_version, flush_cache
+                if weight_version is not None:
+                    await self._tm.update_weight_version(
+                        UpdateWeightVersionReqInput(new_version=str(weight_version))
+                    )
+                await self._lifecycle(
+                    "end_weight_update_communicator", EndWeightUpdateReqInput()
                 )
-            except BaseException as e:
-                await self._close(
-                    f"finalize failed on a rank: {type(e).__name__}: {e}", abort_ranks=True
-                )
+                flushed = bool((await self._tm.flush_cache()).success) if flush_cache else False
+            except WeightSyncSessionError as e:
+                # The ranks closed the session; the update is not a clean one.
+                await self._release()
+                logger.error("[RDT] update session ended with a problem: %s", e)
                 raise
-            if weight_version is not None:
-                self._tm._update_weight_version_if_provided(str(weight_version))
-                self.weight_version = str(weight_version)
-            self.weights_consistent, self.inconsistent_reason = True, None
-            self.updates += 1
+            except BaseException as e:
+                await self._close(f"finalize failed: {type(e).__name__}: {e}")
+                raise
             seconds = time.monotonic() - self._opened_at
             await self._release()
             logger.info(
@@ -143,14 +148,14 @@ class WeightSyncSession:
                 seconds, weight_version,
             )
             return {"success": True, "weight_version": weight_version,
-                    "seconds": seconds, "ranks": results}
+                    "seconds": seconds, "flushed_cache": flushed}
 
     async def abort(
         self, reason: str = "update aborted by the trainer", session_id: Optional[str] = None
     ) -> Dict[str, Any]:
         async with self._mutex:
             self._check_open(session_id)
-            await self._close(reason, abort_ranks=True)
+            await self._close(reason)
             return self.status()
 
     # ------------------------------------------------------------------ #
@@ -163,22 +168,14 @@ class WeightSyncSession:
                 "was aborted (lease expired?)"
             )
 
-    async def _close(self, reason: str, abort_ranks: bool) -> None:
-        self.failures += 1
-        touched = True
-        if abort_ranks:
-            try:
-                statuses = await self._on_ranks("abort_weight_update", reason)
-                touched = any(not s.get("weights_consistent", False) for s in statuses)
-            except BaseException as e:  # a rank is gone: assume the worst
-                logger.error("[RDT] aborting the update on the ranks failed: %s", e)
-        if touched:
-            self.weights_consistent = False
-            self.inconsistent_reason = reason
-        logger.error(
-            "[RDT] update session %s aborted: %s (weights consistent: %s)",
-            self._session_id, reason, self.weights_consistent,
-        )
+    async def _close(self, reason: str) -> None:
+        """Abort the update on every rank (each marks itself inconsistent if
+        it was touched), then release."""
+        try:
+            await call_ranks_async(self.get_actors(), "abort_weight_update", reason)
+        except BaseException as e:  # a rank is gone: it reports itself, if it can
+            logger.error("[RDT] aborting the update on the ranks failed: %s", e)
+        logger.error("[RDT] update session %s aborted: %s", self._session_id, reason)
         await self._release()
 
     async def _release(self) -> None:
@@ -195,6 +192,5 @@ class WeightSyncSession:
                 return
             await self._close(
                 f"the update session was not finalized within its {lease_s:.0f} s lease "
-                "(trainer gone?)",
-                abort_ranks=True,
+                "(trainer gone?)"
             )

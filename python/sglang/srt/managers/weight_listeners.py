@@ -1,0 +1,89 @@
+"""Listeners a scheduler tells about its weights: memory, update sessions, pauses.
+
+sglang's scheduler owns the weight-update lifecycle (``begin_weight_update``,
+``end_weight_update``, ``pause_generation``, ``continue_generation``,
+``release/resume_memory_occupation``). Code that keeps state about the weights
+(the RDT weight-sync rank core, :mod:`sglang.srt.ray.rdt.update_state`) learns
+about those events here, whichever path triggered them (HTTP, the Ray engine,
+the offline engine), instead of keeping a lifecycle of its own.
+
+A listener implements any of these methods (all run on the scheduler thread):
+
+``on_weights_released()`` / ``on_weights_resumed()``
+    ``--enable-memory-saver`` releases weight memory and maps it back at the
+    same addresses without its contents: anything that registered that memory
+    with a transport keyed by address (NIXL) must let go first and may
+    register again after the resume.
+``on_weight_update_begin()``
+    a weight-update session opened on this rank.
+``on_weight_update_end() -> Optional[str]``
+    the session closed (post-load processing done). A returned message is a
+    problem with the update (e.g. two trainers wrote one parameter): the
+    scheduler reports ``end_weight_update`` as failed with that message.
+``on_generation_paused(mode)`` / ``on_generation_continued()``
+    ``pause_generation`` (any mode) / ``continue_generation`` reached this rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+logger = logging.getLogger(__name__)
+
+
+def add_weight_listener(scheduler, listener) -> None:
+    listeners = getattr(scheduler, "weight_listeners", None)
+    if listeners is None:
+        listeners = []
+        scheduler.weight_listeners = listeners
+    listeners.append(listener)
+
+
+def _listeners(scheduler, method: str):
+    for listener in getattr(scheduler, "weight_listeners", None) or ():
+        fn = getattr(listener, method, None)
+        if fn is not None:
+            yield fn
+
+
+def notify_weights_released(scheduler) -> None:
+    for fn in _listeners(scheduler, "on_weights_released"):
+        fn()
+
+
+def notify_weights_resumed(scheduler) -> None:
+    for fn in _listeners(scheduler, "on_weights_resumed"):
+        try:
+            fn()
+        except Exception as e:  # serving goes on; the next pull re-registers
+            logger.error("weight listener failed after resume: %s", e)
+
+
+def notify_weight_update_begin(scheduler) -> None:
+    for fn in _listeners(scheduler, "on_weight_update_begin"):
+        fn()
+
+
+def notify_weight_update_end(scheduler) -> Optional[str]:
+    """The problems listeners found with the update that ended, or None."""
+    problems: List[str] = []
+    for fn in _listeners(scheduler, "on_weight_update_end"):
+        try:
+            problem = fn()
+        except Exception as e:  # the session is closed either way
+            problem = f"{type(e).__name__}: {e}"
+            logger.error("weight listener failed at end_weight_update: %s", problem)
+        if problem:
+            problems.append(problem)
+    return "; ".join(problems) or None
+
+
+def notify_generation_paused(scheduler, mode: str) -> None:
+    for fn in _listeners(scheduler, "on_generation_paused"):
+        fn(mode)
+
+
+def notify_generation_continued(scheduler) -> None:
+    for fn in _listeners(scheduler, "on_generation_continued"):
+        fn()

@@ -1,0 +1,69 @@
+"""Call a method on every rank and wait: the one fan-out of weight sync.
+
+Used by the trainer-side client (register, status, finalize) and by the
+engine's update session and status routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from sglang.srt.ray.rdt.errors import WeightSyncRankError, unwrap
+
+# How long a control call on a rank (status, begin, finalize) may take.
+RANK_CALL_TIMEOUT_S = 300.0
+
+
+def gather(
+    calls: Sequence[Tuple[int, Any]],
+    phase: str,
+    timeout_s: float,
+    name_of: Callable[[int], Optional[str]] = lambda rank: None,
+) -> Dict[int, Any]:
+    """Wait for ``[(rank, ref)]`` within ``timeout_s``; one
+    :class:`WeightSyncRankError` naming every rank that failed or timed out."""
+    import ray
+
+    refs = [ref for _, ref in calls]
+    _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    pending = set(not_ready)
+    results, failures = {}, []
+    for rank, ref in calls:
+        if ref in pending:
+            failures.append((rank, TimeoutError(
+                f"no answer within {timeout_s:.0f} s (is its scheduler stuck?)")))
+            continue
+        try:
+            results[rank] = ray.get(ref)
+        except Exception as e:
+            failures.append((rank, unwrap(e)))
+    if failures:
+        rank, cause = failures[0]
+        raise WeightSyncRankError(rank, name_of(rank), phase, cause, failures)
+    return results
+
+
+def call_ranks(
+    actors: Sequence[Any],
+    method: str,
+    *args,
+    timeout_s: float = RANK_CALL_TIMEOUT_S,
+    name_of: Callable[[int], Optional[str]] = lambda rank: None,
+) -> List[Any]:
+    """``actor.method(*args)`` on every actor; results in the actors' order."""
+    if not actors:
+        raise WeightSyncRankError(0, None, method, RuntimeError("no scheduler actors"), [])
+    calls = [(i, getattr(a, method).remote(*args)) for i, a in enumerate(actors)]
+    out = gather(calls, method, timeout_s, name_of)
+    return [out[i] for i in range(len(actors))]
+
+
+async def call_ranks_async(
+    actors: Sequence[Any], method: str, *args, timeout_s: float = RANK_CALL_TIMEOUT_S
+) -> List[Any]:
+    """:func:`call_ranks` from an event loop (the wait runs on a worker thread)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(
+        None, lambda: call_ranks(actors, method, *args, timeout_s=timeout_s)
+    )

@@ -1,0 +1,380 @@
+"""The weight-update state of one rank: the single owner of everything an update is.
+
+Every way into an update ends up here — sglang's own lifecycle
+(``/pause_generation`` → ``/begin_weight_update`` → ``pull_weights`` ... →
+``/update_weight_version`` → ``/end_weight_update`` → ``/continue_generation``,
+what miles does), the engine's ``/weight_sync/*`` session, ``RayEngine`` and
+``WeightSyncClient`` (which are spellings of that lifecycle), and pulls under a
+plain pause. :class:`RankUpdateState` owns, for its rank:
+
+* whether an update is in progress and what it wrote so far (pulls, tensors,
+  bytes, transports, and *who wrote each parameter*);
+* whether the served weights are consistent, and why not;
+* the counters behind ``get_weight_sync_status``/``get_weight_sync_stats``,
+  the per-update log line and the Prometheus metrics.
+
+The weight version itself is sglang's (``get_serving().weight_version``); the
+state reads it when an update ends and keeps no copy.
+
+**No silent mixes.** A parameter written in an update by one writer (the
+source actor of the RDT object; a driver that put it counts as its worker)
+and then by a *different* writer in the same update is refused before any
+byte of the second pull lands; the update is marked as conflicting, and
+ending it reports the conflict and leaves the rank inconsistent until a clean
+update ends. The same writer writing a parameter again (a retry) is allowed:
+the second write wins, and it is counted.
+
+**Nothing lost.** A pull that broke mid-transfer leaves its parameters in an
+unknown state: the rank is inconsistent from then on. Ending the update makes
+the rank consistent again only if every parameter of a broken pull was written
+again completely afterwards and no conflict happened.
+
+All mutating calls run on the scheduler thread (or the actor's only thread in
+test doubles); a lock makes the status readable from Ray's other threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from sglang.srt.ray.rdt import metrics as rdt_metrics
+from sglang.srt.ray.rdt.errors import WeightUpdateConflictError
+
+logger = logging.getLogger(__name__)
+
+# How many never-written parameter names a summary lists.
+MAX_LISTED_NAMES = 20
+
+
+@dataclass(frozen=True)
+class Writer:
+    """Who put an RDT object: ``id`` is stable per process, ``label`` for humans."""
+
+    id: str
+    label: str
+
+    def __str__(self) -> str:
+        return self.label
+
+
+UNKNOWN_WRITER = Writer("unknown", "an unknown writer")
+
+
+@dataclass
+class _Update:
+    """The update in progress on this rank."""
+
+    kind: str  # "session": begin_weight_update opened it; "paused": a pull under a pause
+    started: float
+    pulls: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    transfer_s: float = 0.0
+    pull_s: float = 0.0
+    transports: List[str] = field(default_factory=list)
+    writers: Dict[str, Writer] = field(default_factory=dict)  # param name -> writer
+    rewrites: int = 0
+    conflict: Optional[str] = None
+    broken: set = field(default_factory=set)  # params of a broken pull not written again
+    failed_pulls: int = 0
+
+    @property
+    def touched(self) -> bool:
+        return bool(self.writers or self.broken or self.failed_pulls)
+
+
+class RankUpdateState:
+    """One rank's weight-update state machine (see the module docstring).
+
+    Args:
+        param_names: returns the names of the rank's parameters (for "N of M
+            parameters updated" and the never-written list); ``None``: unknown.
+        rank: a label for log lines, e.g. ``"dp0/pp0/tp1"``.
+        weight_version: returns sglang's current weight version.
+        clock: seconds, monotonic (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        *,
+        param_names: Optional[Callable[[], Sequence[str]]] = None,
+        rank: str = "",
+        weight_version: Optional[Callable[[], Optional[str]]] = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self._param_names = param_names
+        self.rank = rank
+        self._weight_version = weight_version or (lambda: None)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._update: Optional[_Update] = None
+        self._consistent = True
+        self._reason: Optional[str] = None
+        self.updates = 0
+        self.failed_updates = 0  # ended with a problem, or aborted
+        self.failures: Dict[str, int] = {}
+        self.last_update: Optional[Dict[str, Any]] = None
+        self.totals: Dict[str, Any] = {
+            "pulls": 0, "failed_pulls": 0, "tensors": 0, "bytes": 0, "seconds": 0.0,
+            "last_pull": None,
+        }
+
+    # ------------------------------------------------------------------ #
+    # Lifecycle events
+    # ------------------------------------------------------------------ #
+    @property
+    def update_open(self) -> bool:
+        return self._update is not None
+
+    @property
+    def update_kind(self) -> Optional[str]:
+        u = self._update
+        return u.kind if u else None
+
+    def begin(self) -> None:
+        """sglang's ``begin_weight_update`` opened a session on this rank.
+
+        Pulls already made under a plain pause stay part of this update.
+        """
+        with self._lock:
+            if self._update is not None and self._update.kind == "paused":
+                self._update.kind = "session"
+                return
+            self._update = _Update(kind="session", started=self._clock())
+
+    def _current(self) -> _Update:
+        if self._update is None:  # a pull under a plain pause opens an update
+            self._update = _Update(kind="paused", started=self._clock())
+        return self._update
+
+    def admit(self, writes: Sequence[Tuple[Sequence[str], Writer]]) -> None:
+        """Check, before any byte moves, that each ``(names, writer)`` of a
+        pull may be written.
+
+        Raises :class:`WeightUpdateConflictError` naming the parameter and both
+        writers if another writer already wrote one of them in this update;
+        the update is then marked as conflicting.
+        """
+        with self._lock:
+            u = self._current()
+            for names, writer in writes:
+                for name in names:
+                    prev = u.writers.get(name)
+                    if prev is not None and prev.id != writer.id:
+                        self._conflict(u, name, prev, writer)
+
+    def _conflict(self, u: _Update, name: str, prev: Writer, writer: Writer) -> None:
+        message = (
+            f"parameter {name!r} was already written in this update by "
+            f"{prev.label}; refusing the pull from {writer.label}. Two "
+            "writers must not write the same parameter in one update (a "
+            "restarted trainer whose old process still runs, or two jobs "
+            "pointed at one engine?). Nothing of this pull was written; the "
+            "update is marked inconsistent: end or abort it, then run a "
+            "clean update from one trainer"
+        )
+        if u.conflict is None:
+            u.conflict = message
+        self._mark_inconsistent(message)
+        self._fail("conflict")
+        logger.error("[RDT]%s %s", self._where(), message)
+        raise WeightUpdateConflictError(message)
+
+    def landed(
+        self, writes: Sequence[Tuple[Sequence[str], Writer]], stats: Dict[str, Any]
+    ) -> None:
+        """A pull completed: each ``(names, writer)`` landed (``stats``: its figures)."""
+        with self._lock:
+            u = self._current()
+            for names, writer in writes:
+                for name in names:
+                    if name in u.writers:
+                        u.rewrites += 1
+                    u.writers[name] = writer
+                    u.broken.discard(name)
+            u.pulls += 1
+            u.tensors += int(stats.get("tensors", 0))
+            u.bytes += int(stats.get("bytes", 0))
+            u.transfer_s += float(stats.get("fetch_seconds") or stats.get("seconds") or 0.0)
+            u.pull_s += float(stats.get("seconds") or 0.0)
+            for t in stats.get("transports") or ():
+                if t not in u.transports:
+                    u.transports.append(t)
+            t = self.totals
+            t["pulls"] += 1
+            t["tensors"] += int(stats.get("tensors", 0))
+            t["bytes"] += int(stats.get("bytes", 0))
+            t["seconds"] += float(stats.get("seconds") or 0.0)
+            t["last_pull"] = dict(stats)
+        rdt_metrics.record_pull(stats)
+
+    def transfer_failed(self, names: Sequence[str], reason: str) -> None:
+        """A pull broke after bytes may have landed in ``names``."""
+        with self._lock:
+            u = self._current()
+            u.failed_pulls += 1
+            u.broken.update(names)
+            for name in names:  # whoever wrote them before, their bytes are gone
+                u.writers.pop(name, None)
+            self.totals["failed_pulls"] += 1
+            self._mark_inconsistent(reason)
+            self._fail("transfer")
+
+    def rejected(self) -> None:
+        """A pull was refused before any byte moved (bad call, not quiesced)."""
+        self._fail("rejected")
+
+    def end(self, **extra: Any) -> Dict[str, Any]:
+        """The update ends (``end_weight_update``, finalize, or continue after
+        a plain pause). Returns its summary — the per-update log line's
+        figures; ``summary["conflict"]`` / ``summary["consistent"]`` say
+        whether the rank serves a clean update now."""
+        with self._lock:
+            u = self._update or _Update(kind="session", started=self._clock())
+            self._update = None
+            version = self._weight_version()
+            names = self._names()
+            total = None if names is None else len(names)
+            problem = u.conflict
+            if problem is None and u.broken:
+                problem = (
+                    f"{len(u.broken)} parameters of a transfer that broke in this update "
+                    f"were not written again (e.g. {sorted(u.broken)[0]!r})"
+                )
+            if problem is None:
+                self._consistent, self._reason = True, None
+            else:
+                self._mark_inconsistent(problem)
+            writers = sorted({w.label for w in u.writers.values()})
+            summary = {
+                "weight_version": version,
+                "pulls": u.pulls,
+                "tensors": u.tensors,
+                "bytes": u.bytes,
+                "transfer_seconds": u.transfer_s,
+                "pull_seconds": u.pull_s,
+                "gbps": u.bytes / u.transfer_s / 1e9 if u.transfer_s > 0 else 0.0,
+                "transport": ",".join(u.transports) or "none",
+                "update_seconds": self._clock() - u.started,
+                "params_updated": len(u.writers),
+                "params_total": total,
+                "writers": len(writers),
+                "writer_labels": writers,
+                "rewrites": u.rewrites,
+                "conflict": u.conflict,
+                "consistent": self._consistent,
+                "inconsistent_reason": self._reason,
+                **extra,
+            }
+            if names is not None:
+                never = [n for n in names if n not in u.writers]
+                summary["never_written"] = never[:MAX_LISTED_NAMES]
+                summary["never_written_count"] = len(never)
+            self.updates += 1
+            if problem is not None:
+                self.failed_updates += 1
+            self.last_update = summary
+        if problem is None:
+            rdt_metrics.record_update(summary["update_seconds"])
+            logger.info(format_update(summary, self.rank))
+        else:
+            logger.error("%s; weights inconsistent: %s", format_update(summary, self.rank), problem)
+        return summary
+
+    def abort(self, reason: str) -> Dict[str, Any]:
+        """Close the update without ending it; the weights are inconsistent if
+        any pull of it touched them."""
+        with self._lock:
+            u, self._update = self._update, None
+            self.failed_updates += 1
+            if u is not None and u.touched:
+                self._mark_inconsistent(reason)
+        self._fail("abort")
+        return self.status()
+
+    def fail(self, kind: str) -> None:
+        """Count a failure of another kind (e.g. ``"finalize"``)."""
+        self._fail(kind)
+
+    # ------------------------------------------------------------------ #
+    # Reading
+    # ------------------------------------------------------------------ #
+    @property
+    def consistent(self) -> bool:
+        return self._consistent
+
+    @property
+    def inconsistent_reason(self) -> Optional[str]:
+        return self._reason
+
+    def in_progress(self) -> Optional[Dict[str, Any]]:
+        with self._lock:
+            u = self._update
+            if u is None:
+                return None
+            return {
+                "kind": u.kind,
+                "pulls": u.pulls,
+                "tensors": u.tensors,
+                "bytes": u.bytes,
+                "params_written": len(u.writers),
+                "writers": len({w.id for w in u.writers.values()}),
+                "rewrites": u.rewrites,
+                "conflict": u.conflict,
+            }
+
+    def status(self) -> Dict[str, Any]:
+        """What ``get_weight_sync_status`` reports about updates."""
+        with self._lock:
+            return {
+                "weights_consistent": self._consistent,
+                "inconsistent_reason": self._reason,
+                "weight_version": self._weight_version(),
+                "update_open": self._update is not None,
+                "update_in_progress": self.in_progress(),
+                "updates": self.updates,
+                "failed_updates": self.failed_updates,
+                "failures": dict(self.failures),
+                "last_update": self.last_update,
+                **{k: v for k, v in self.totals.items()},
+            }
+
+    # ------------------------------------------------------------------ #
+    def _mark_inconsistent(self, reason: str) -> None:
+        self._consistent, self._reason = False, reason
+
+    def _fail(self, kind: str) -> None:
+        with self._lock:
+            self.failures[kind] = self.failures.get(kind, 0) + 1
+        rdt_metrics.record_failure(kind)
+
+    def _names(self) -> Optional[List[str]]:
+        try:
+            return list(self._param_names()) if self._param_names else None
+        except Exception:  # pragma: no cover - the model is gone (shutdown)
+            return None
+
+    def _where(self) -> str:
+        return f" {self.rank}" if self.rank else ""
+
+
+def format_update(summary: Dict[str, Any], rank: str = "") -> str:
+    """The one log line of an ended update."""
+    where = f" {rank}" if rank else ""
+    total = summary.get("params_total")
+    of = f" of {total}" if total is not None else ""
+    writers = summary.get("writers", 0)
+    return (
+        f"[RDT] weight update{where} done: weight_version={summary.get('weight_version')} "
+        f"tensors={summary['tensors']} bytes={summary['bytes']} "
+        f"({summary['bytes'] / 2**20:.2f} MiB) in {summary['pulls']} pulls, "
+        f"{summary.get('params_updated', 0)}{of} parameters updated by {writers} "
+        f"writer{'s' if writers != 1 else ''} ({summary.get('rewrites', 0)} rewritten), "
+        f"transfer {summary['transfer_seconds']:.4f} s ({summary['gbps']:.3f} GB/s), "
+        f"update {summary['update_seconds']:.3f} s, transport={summary['transport']}"
+        + (f", cache flushed={summary['flushed_cache']}" if "flushed_cache" in summary else "")
+    )

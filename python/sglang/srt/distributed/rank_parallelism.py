@@ -1,0 +1,587 @@
+"""Build one engine rank's model layout in a process that is not that rank.
+
+A trainer that pushes weights into an sglang engine has to hand every engine
+rank the bytes of *its* shard: the rows of ``qkv_proj`` that rank's TP slot
+owns, the experts its EP slot holds, the vocabulary range of its embedding.
+The simplest exact way to get that layout is to let sglang build the model
+itself, as if it were that rank, and to load the trainer's Hugging Face tensors
+with the model's own ``load_weights``. This module provides the "as if it were
+that rank" part:
+
+* :class:`RankParallelismConfig` -- one rank's place in the engine's layout.
+  ``from_dict`` reads the JSON an engine serves at
+  ``GET /parallelism_config?rank=R`` (see
+  ``sglang/srt/model_executor/parallelism_config.py``); ``to_dict`` writes it
+  back unchanged.
+* :class:`ParallelismContext` -- inside ``with ParallelismContext(cfg):``,
+  ``get_parallel()`` answers that rank's TP/PP/DP/attention/MoE ranks and
+  widths, and its groups are :class:`RankOnlyGroup` descriptors, so
+  ``get_model(...)`` builds exactly that rank's shards with no process group
+  and no ``torch.distributed`` initialization. Everything is put back on exit,
+  also when the block raises.
+
+The layers keep the group descriptor they were built with, so the weight
+loaders of a model built inside the context keep slicing for that rank after
+the ``with`` block ends (``model.load_weights(...)`` may run outside it).
+
+Thread-safety: the parallel state is process-global (``runtime_context``), so
+the context holds a process-wide re-entrant lock from ``__enter__`` to
+``__exit__``. Another thread entering a ``ParallelismContext`` waits until the
+first one exits; the same thread may nest contexts (the innermost rank is in
+effect, the outer one comes back when the inner exits). Code on other threads
+that reads ``get_parallel()`` *without* entering a context is not serialized
+and sees the overridden rank while a context is open: do not build replicas in
+a process that is serving at the same time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+__all__ = [
+    "ParallelismContext",
+    "RankOnlyGroup",
+    "RankParallelismConfig",
+]
+
+# The rank/width pairs of the served JSON, in its order.
+_RANK_AND_SIZE = (
+    ("tp_rank", "tp_size"),
+    ("pp_rank", "pp_size"),
+    ("dp_rank", "dp_size"),
+    ("attn_tp_rank", "attn_tp_size"),
+    ("attn_dp_rank", "attn_dp_size"),
+    ("attn_cp_rank", "attn_cp_size"),
+    ("moe_ep_rank", "moe_ep_size"),
+    ("moe_tp_rank", "moe_tp_size"),
+    ("moe_dp_rank", "moe_dp_size"),
+    ("node_rank", "nnodes"),
+    ("world_rank", "world_size"),
+)
+_INT_FIELDS = tuple(name for pair in _RANK_AND_SIZE for name in pair) + (
+    "device_id",
+    "rank",
+)
+_STR_FIELDS = ("device",)
+
+
+def _check_int(name: str, value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"RankParallelismConfig.{name} must be an int or None, got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class RankParallelismConfig:
+    """One engine rank's place in the engine's parallel layout.
+
+    The fields are those of the engine's ``/parallelism_config`` JSON. A value
+    the engine could not read is ``None`` there and stays ``None`` here (so
+    ``to_dict`` gives back what ``from_dict`` read); :meth:`layout` fills what
+    can be derived from the rest when the rank is built. Keys this version does
+    not know are kept in ``extra`` and written back by ``to_dict``, so a newer
+    engine's JSON still loads.
+    """
+
+    tp_rank: Optional[int] = None
+    tp_size: Optional[int] = None
+    pp_rank: Optional[int] = None
+    pp_size: Optional[int] = None
+    dp_rank: Optional[int] = None
+    dp_size: Optional[int] = None
+    attn_tp_rank: Optional[int] = None
+    attn_tp_size: Optional[int] = None
+    attn_dp_rank: Optional[int] = None
+    attn_dp_size: Optional[int] = None
+    attn_cp_rank: Optional[int] = None
+    attn_cp_size: Optional[int] = None
+    moe_ep_rank: Optional[int] = None
+    moe_ep_size: Optional[int] = None
+    moe_tp_rank: Optional[int] = None
+    moe_tp_size: Optional[int] = None
+    moe_dp_rank: Optional[int] = None
+    moe_dp_size: Optional[int] = None
+    node_rank: Optional[int] = None
+    nnodes: Optional[int] = None
+    world_rank: Optional[int] = None
+    world_size: Optional[int] = None
+    device: Optional[str] = None
+    device_id: Optional[int] = None
+    rank: Optional[int] = None
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        for name in _INT_FIELDS:
+            _check_int(name, getattr(self, name))
+        for name in _STR_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(
+                    f"RankParallelismConfig.{name} must be a str or None, got {value!r}"
+                )
+        for rank_name, size_name in _RANK_AND_SIZE:
+            rank, size = getattr(self, rank_name), getattr(self, size_name)
+            if size is not None and size < 1:
+                raise ValueError(f"RankParallelismConfig.{size_name}={size} must be >= 1")
+            if rank is not None and rank < 0:
+                raise ValueError(f"RankParallelismConfig.{rank_name}={rank} must be >= 0")
+            if rank is not None and size is not None and rank >= size:
+                raise ValueError(
+                    f"RankParallelismConfig: {rank_name}={rank} is not a rank of "
+                    f"{size_name}={size}"
+                )
+        object.__setattr__(self, "extra", dict(self.extra))
+
+    # ------------------------------------------------------------------ JSON
+
+    @classmethod
+    def field_names(cls) -> List[str]:
+        """The JSON keys this class reads, in the served order."""
+        return [f.name for f in fields(cls) if f.name != "extra"]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RankParallelismConfig":
+        """Read one rank's ``/parallelism_config`` JSON (unknown keys go to ``extra``)."""
+        if not isinstance(data, Mapping):
+            raise TypeError(
+                "RankParallelismConfig.from_dict expects the JSON object of one rank "
+                f"(GET /parallelism_config?rank=R), got {type(data).__name__}"
+            )
+        if "ranks" in data and "tp_size" not in data:
+            raise ValueError(
+                "RankParallelismConfig.from_dict got the all-ranks listing "
+                "({'ranks': {...}}); pass one rank's entry, e.g. data['ranks'][str(R)]"
+            )
+        known = set(cls.field_names())
+        kwargs = {k: v for k, v in data.items() if k in known}
+        extra = {k: v for k, v in data.items() if k not in known}
+        return cls(**kwargs, extra=extra)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON object ``from_dict`` reads: every known key, then ``extra``."""
+        out = {name: getattr(self, name) for name in self.field_names()}
+        out.update(self.extra)
+        return out
+
+    # ---------------------------------------------------------------- layout
+
+    def layout(self) -> Dict[str, int]:
+        """Every rank and width of this rank, missing ones derived.
+
+        Widths default to 1 (``tp_size`` too); a width's rank defaults to 0
+        when the width is 1. Attention and MoE ranks are derived from
+        ``tp_rank`` the way the engine lays them out (TP blocks of
+        ``(attn_dp, attn_cp, attn_tp)``, attention TP fastest; MoE
+        ``(moe_dp, moe_ep, moe_tp)``, MoE TP fastest); the WORLD rank is
+        ``pp_rank * tp_size + tp_rank``. ``dp_rank`` stays ``None`` when the
+        engine has no data-parallel controller. Raises ``ValueError`` naming
+        the field when a rank cannot be derived or the widths do not factor.
+        """
+        v = {name: getattr(self, name) for name in _INT_FIELDS}
+
+        def width(name: str) -> int:
+            return 1 if v[name] is None else v[name]
+
+        tp_size = width("tp_size")
+        tp_rank = v["tp_rank"]
+        if tp_rank is None:
+            if tp_size > 1:
+                raise ValueError(
+                    f"RankParallelismConfig: tp_rank is missing but tp_size={tp_size}"
+                )
+            tp_rank = 0
+        pp_size = width("pp_size")
+        pp_rank = v["pp_rank"]
+        if pp_rank is None:
+            if pp_size > 1:
+                raise ValueError(
+                    f"RankParallelismConfig: pp_rank is missing but pp_size={pp_size}"
+                )
+            pp_rank = 0
+
+        attn_dp_size, attn_cp_size = width("attn_dp_size"), width("attn_cp_size")
+        attn_tp_size = v["attn_tp_size"]
+        if attn_tp_size is None:
+            attn_tp_size = tp_size // (attn_dp_size * attn_cp_size) or 1
+        moe_ep_size, moe_dp_size = width("moe_ep_size"), width("moe_dp_size")
+        moe_tp_size = v["moe_tp_size"]
+        if moe_tp_size is None:
+            moe_tp_size = tp_size // (moe_ep_size * moe_dp_size) or 1
+
+        problems = []
+        if attn_tp_size * attn_dp_size * attn_cp_size != tp_size:
+            problems.append(
+                f"tp_size={tp_size} != attn_tp_size={attn_tp_size} * "
+                f"attn_dp_size={attn_dp_size} * attn_cp_size={attn_cp_size}"
+            )
+        if moe_tp_size * moe_ep_size * moe_dp_size != tp_size:
+            problems.append(
+                f"tp_size={tp_size} != moe_tp_size={moe_tp_size} * "
+                f"moe_ep_size={moe_ep_size} * moe_dp_size={moe_dp_size}"
+            )
+        if problems:
+            raise ValueError(
+                "RankParallelismConfig: the widths do not factor the TP group: "
+                + "; ".join(problems)
+            )
+
+        def rank_or(name: str, derived: int) -> int:
+            return derived if v[name] is None else v[name]
+
+        out = {
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "pp_rank": pp_rank,
+            "pp_size": pp_size,
+            "dp_size": width("dp_size"),
+            "attn_tp_size": attn_tp_size,
+            "attn_dp_size": attn_dp_size,
+            "attn_cp_size": attn_cp_size,
+            "attn_tp_rank": rank_or("attn_tp_rank", tp_rank % attn_tp_size),
+            "attn_cp_rank": rank_or(
+                "attn_cp_rank", (tp_rank // attn_tp_size) % attn_cp_size
+            ),
+            "attn_dp_rank": rank_or(
+                "attn_dp_rank", tp_rank // (attn_tp_size * attn_cp_size)
+            ),
+            "moe_ep_size": moe_ep_size,
+            "moe_tp_size": moe_tp_size,
+            "moe_dp_size": moe_dp_size,
+            "moe_tp_rank": rank_or("moe_tp_rank", tp_rank % moe_tp_size),
+            "moe_ep_rank": rank_or(
+                "moe_ep_rank", (tp_rank // moe_tp_size) % moe_ep_size
+            ),
+            "moe_dp_rank": rank_or(
+                "moe_dp_rank", tp_rank // (moe_tp_size * moe_ep_size)
+            ),
+            "nnodes": width("nnodes"),
+            "node_rank": rank_or("node_rank", 0),
+            "world_size": rank_or("world_size", tp_size * pp_size),
+            "world_rank": rank_or("world_rank", pp_rank * tp_size + tp_rank),
+        }
+        out["dp_rank"] = v["dp_rank"]
+        for rank_name, size_name in _RANK_AND_SIZE:
+            rank = out[rank_name]
+            if rank is not None and not 0 <= rank < out[size_name]:
+                raise ValueError(
+                    f"RankParallelismConfig: {rank_name}={rank} is not a rank of "
+                    f"{size_name}={out[size_name]}"
+                )
+        return out
+
+    def describe(self) -> str:
+        """A short label for messages, e.g. ``rank 3 (tp 1/2, pp 1/2)``."""
+        lay = self.layout()
+        label = f"tp {lay['tp_rank']}/{lay['tp_size']}"
+        if lay["pp_size"] > 1:
+            label += f", pp {lay['pp_rank']}/{lay['pp_size']}"
+        if lay["moe_ep_size"] > 1:
+            label += f", ep {lay['moe_ep_rank']}/{lay['moe_ep_size']}"
+        if lay["attn_dp_size"] > 1:
+            label += f", attn-dp {lay['attn_dp_rank']}/{lay['attn_dp_size']}"
+        rank = self.rank if self.rank is not None else lay["world_rank"]
+        return f"rank {rank} ({label})"
+
+
+# ---------------------------------------------------------------------------
+# Group descriptors
+# ---------------------------------------------------------------------------
+
+# Communicator handles a GroupCoordinator carries; a descriptor has none.
+_NO_HANDLE = frozenset(
+    {
+        "cpu_group",
+        "device_group",
+        "pynccl_comm",
+        "pymscclpp_comm",
+        "ca_comm",
+        "qr_comm",
+        "torch_symm_mem_comm",
+        "mq_broadcaster",
+        "npu_communicator",
+        "xpu_communicator",
+        "hpu_communicator",
+        "pynccl_symm_comm",
+    }
+)
+
+# Operations that need a process group: calling one on a descriptor is an error.
+_COLLECTIVES = (
+    "all_reduce",
+    "quant_all_reduce",
+    "fused_allreduce_rmsnorm",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_along_dim",
+    "reduce_scatterv",
+    "all_gather",
+    "all_gatherv",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all_single",
+    "gather",
+    "broadcast",
+    "broadcast_object",
+    "broadcast_object_list",
+    "broadcast_tensor_dict",
+    "send",
+    "recv",
+    "send_object",
+    "recv_object",
+    "send_tensor_dict",
+    "recv_tensor_dict",
+    "send_recv_tensor_dict",
+    "barrier",
+    "graph_capture",
+    "destroy",
+)
+
+
+class RankOnlyGroup:
+    """Answers one rank's place in a group, with no process group behind it.
+
+    It has what building a model reads from a ``GroupCoordinator``
+    (``rank_in_group``, ``world_size``, ``ranks``, ``is_first_rank`` ...);
+    communicator handles (``cpu_group``, ``device_group``, ``pynccl_comm`` ...)
+    are ``None`` and ``use_*`` hints are ``False``. Collectives raise
+    ``RuntimeError``: a replica built from a descriptor is for loading and
+    reading weights, not for running a forward pass that communicates.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        rank_in_group: int,
+        world_size: int,
+        ranks: List[int],
+        local_rank: int = 0,
+        owner: str = "",
+    ):
+        if not 0 <= rank_in_group < world_size or len(ranks) != world_size:
+            raise ValueError(
+                f"RankOnlyGroup {name!r}: rank {rank_in_group} of {world_size} "
+                f"with ranks {ranks}"
+            )
+        self.unique_name = f"{name}:rank-only"
+        self.group_name = name
+        self.rank_in_group = rank_in_group
+        self.world_size = world_size
+        self.ranks = list(ranks)
+        self.rank = self.ranks[rank_in_group]
+        self.local_rank = local_rank
+        self._owner = owner
+
+    # The GroupCoordinator properties that are pure arithmetic on the ranks.
+    @property
+    def first_rank(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def last_rank(self) -> int:
+        return self.ranks[-1]
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    @property
+    def next_rank(self) -> int:
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
+    def __getattr__(self, name: str):
+        # Only reached for names not set above.
+        if name in _NO_HANDLE:
+            return None
+        if name.startswith("use_"):
+            return False
+        raise AttributeError(
+            f"RankOnlyGroup {self.group_name!r} ({self._owner}) has no {name!r}: "
+            "it describes a rank's place in the group for building its model "
+            "replica and has no process group"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"RankOnlyGroup({self.group_name!r}, rank_in_group={self.rank_in_group}, "
+            f"world_size={self.world_size}, ranks={self.ranks})"
+        )
+
+
+def _collective(op: str):
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{op}() on RankOnlyGroup {self.group_name!r} ({self._owner}): a model "
+            "built under ParallelismContext describes one engine rank's layout and "
+            "has no process group to communicate over"
+        )
+
+    refuse.__name__ = op
+    return refuse
+
+
+for _op in _COLLECTIVES:
+    setattr(RankOnlyGroup, _op, _collective(_op))
+del _op
+
+
+def _strided(name, rank_in_group, size, stride, world_rank, local_rank, owner):
+    base = world_rank - rank_in_group * stride
+    ranks = [base + i * stride for i in range(size)]
+    return RankOnlyGroup(name, rank_in_group, size, ranks, local_rank, owner)
+
+
+def _groups_of(lay: Dict[str, int], local_rank: int, owner: str) -> Dict[str, Any]:
+    """The group descriptors of one rank, laid out as the engine builds them."""
+    w = lay["world_rank"]
+
+    def g(name, rank_key, size_key, stride):
+        return _strided(name, lay[rank_key], lay[size_key], stride, w, local_rank, owner)
+
+    return {
+        "world_group": RankOnlyGroup(
+            "world", w, lay["world_size"], list(range(lay["world_size"])), local_rank, owner
+        ),
+        # TP groups are contiguous blocks; PP groups are strided by tp_size.
+        "tp_group": g("tp", "tp_rank", "tp_size", 1),
+        "pp_group": g("pp", "pp_rank", "pp_size", lay["tp_size"]),
+        # Inside a TP block: (attn_dp, attn_cp, attn_tp), attention TP fastest.
+        "attn_tp_group": g("attention_tp", "attn_tp_rank", "attn_tp_size", 1),
+        "attn_cp_group": g("attention_cp", "attn_cp_rank", "attn_cp_size", lay["attn_tp_size"]),
+        # (moe_dp, moe_ep, moe_tp), MoE TP fastest.
+        "moe_tp_group": g("moe_tp", "moe_tp_rank", "moe_tp_size", 1),
+        "moe_ep_group": g("moe_ep", "moe_ep_rank", "moe_ep_size", lay["moe_tp_size"]),
+        "moe_dp_group": g(
+            "moe_dp", "moe_dp_rank", "moe_dp_size", lay["tp_size"] // lay["moe_dp_size"]
+        ),
+    }
+
+
+# ---------------------------------------------------------------------------
+# The context
+# ---------------------------------------------------------------------------
+
+_LOCK = threading.RLock()
+
+
+class ParallelismContext:
+    """``with ParallelismContext(cfg):`` -- sglang sees the rank ``cfg`` describes.
+
+    Inside the block, ``get_parallel()`` (and the legacy
+    ``get_tensor_model_parallel_rank()``-style getters, which read its groups)
+    answer the rank's TP/PP/DP, attention TP/DP/CP and MoE EP/TP/DP ranks and
+    widths, its node and WORLD rank, and :class:`RankOnlyGroup` descriptors
+    for its groups. Nothing else is changed: configuration that is not about
+    the rank's place (model, dtype, quantization, MoE backend ...) is read from
+    the published ``ServerArgs`` as usual, so publish the engine's server args
+    first (``set_global_server_args_for_scheduler``).
+
+    ``cfg`` is a :class:`RankParallelismConfig` or its JSON dict. The context
+    is re-entrant and nestable (see the module docstring for threads); on exit
+    -- normal or by exception -- the previous parallel state is restored.
+    """
+
+    def __init__(self, config: Union[RankParallelismConfig, Mapping[str, Any]]):
+        if not isinstance(config, RankParallelismConfig):
+            config = RankParallelismConfig.from_dict(config)
+        self.config = config
+        # Validate (and derive) now, so a bad config fails at construction.
+        self._layout = config.layout()
+        self._stacks: List[contextlib.ExitStack] = []
+
+    def overrides(self) -> Dict[str, Any]:
+        """The ``get_parallel()`` values the context installs (ranks, widths, groups)."""
+        lay = self._layout
+        owner = self.config.describe()
+        local_rank = self.config.device_id if self.config.device_id is not None else 0
+        values: Dict[str, Any] = {
+            "tp_rank": lay["tp_rank"],
+            "tp_size": lay["tp_size"],
+            "pp_rank": lay["pp_rank"],
+            "pp_size": lay["pp_size"],
+            "dp_rank": lay["dp_rank"],
+            "dp_size": lay["dp_size"],
+            "attn_tp_rank": lay["attn_tp_rank"],
+            "attn_tp_size": lay["attn_tp_size"],
+            "attn_dp_rank": lay["attn_dp_rank"],
+            "attn_dp_size": lay["attn_dp_size"],
+            "attn_cp_rank": lay["attn_cp_rank"],
+            "attn_cp_size": lay["attn_cp_size"],
+            "moe_ep_rank": lay["moe_ep_rank"],
+            "moe_ep_size": lay["moe_ep_size"],
+            "moe_tp_rank": lay["moe_tp_rank"],
+            "moe_tp_size": lay["moe_tp_size"],
+            "moe_dp_rank": lay["moe_dp_rank"],
+            "moe_dp_size": lay["moe_dp_size"],
+            "node_rank": lay["node_rank"],
+            "nnodes": lay["nnodes"],
+            "launch_world_rank": lay["world_rank"],
+            "launch_world_size": lay["world_size"],
+        }
+        if lay["attn_dp_size"] > 1:
+            values["attn_dp_enabled"] = True
+        values.update(_groups_of(lay, local_rank, owner))
+        values.update(self._shared_experts_group(lay, local_rank, owner))
+        return values
+
+    @staticmethod
+    def _shared_experts_group(lay, local_rank, owner) -> Dict[str, Any]:
+        """The shared-expert TP group, from the published width (None when unset)."""
+        from sglang.srt.runtime_context import get_parallel
+
+        try:
+            size = get_parallel().shared_experts_tp_size
+        except Exception:
+            size = None
+        if not size or size <= 1:
+            return {"shared_experts_tp_group": None}
+        # Contiguous blocks of `size` ranks inside the attention-TP group.
+        return {
+            "shared_experts_tp_group": _strided(
+                "shared_experts_tp",
+                lay["world_rank"] % size,
+                size,
+                1,
+                lay["world_rank"],
+                local_rank,
+                owner,
+            )
+        }
+
+    def __enter__(self) -> "ParallelismContext":
+        from sglang.srt.runtime_context import get_parallel
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(_LOCK)
+        try:
+            try:
+                stack.enter_context(get_parallel().override(**self.overrides()))
+            except ValueError as e:
+                raise ValueError(
+                    f"ParallelismContext({self.config.describe()}): {e}"
+                ) from e
+        except BaseException:
+            stack.close()
+            raise
+        self._stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stacks.pop().close()
+
+    def __repr__(self) -> str:
+        return f"ParallelismContext({self.config.describe()})"

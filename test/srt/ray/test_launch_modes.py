@@ -31,15 +31,24 @@ def test_launch_engine_handles_mode_in_a_host_actor_on_caller_placement_group(
 
     @ray.remote(num_cpus=0, max_concurrency=4)
     class EngineHost:
+        """miles' SGLangServerActor shape: launch_engine + serve_http on a thread."""
+
         def __init__(self, argv, pg):
-            from sglang.srt.ray.launch import launch_engine
+            import threading
+
+            from sglang.srt.ray.http_server import launch_engine, serve_http
             from sglang.srt.server_args import prepare_server_args
 
-            self.engine = launch_engine(prepare_server_args(argv), placement_group=pg)
-            self.engine.serve_http()
+            server_args = prepare_server_args(argv)
+            engine = launch_engine(server_args, placement_group=pg)
+            _, _, _, scheduler_init_result, _ = engine
+            self.actors = list(scheduler_init_result.scheduler_actors)
+            threading.Thread(
+                target=serve_http, args=(engine, server_args), daemon=True, name="sglang-uvicorn"
+            ).start()
 
         def handles(self):
-            return self.engine.scheduler_actors
+            return self.actors
 
     host = EngineHost.options(runtime_env={"env_vars": dict(ray_head.env)}).remote(argv, pg)
     try:
@@ -65,12 +74,44 @@ def test_launch_engine_handles_mode_in_a_host_actor_on_caller_placement_group(
         assert f"_pg{pg.id.hex()[:8]}_bundle0" in actor["Name"] and "_port" not in actor["Name"]
         assert ray.get(handle.get_weight_sync_status.remote(), timeout=30)["enabled"] is True
 
+        # One update through the handles, driven by sglang's own lifecycle.
+        _handles_update(ray, port, handle, tiny_model)
+
         # The schedulers die with their owner.
         ray.kill(host)
         wait_until(lambda: not live_actors(ray), 60, what="scheduler actors to die with the host")
     finally:
         ray.kill(host)
         remove_placement_group(pg)
+
+
+def _handles_update(ray, port, handle, tiny_model) -> None:
+    from miles_actors import MilesLikeTrainer
+    from tiny_model import random_state_dict
+    import torch
+
+    url = f"http://127.0.0.1:{port}"
+    layout = ray.get(handle.get_parameter_layout.remote(), timeout=60)
+    assert requests.get(f"{url}/parallelism_config", params={"rank": 0}, timeout=10).json()["tp_size"] == 1
+    new = random_state_dict(tiny_model, 71)
+    tensors = {n: new[n].to(getattr(torch, v["dtype"])).contiguous() for n, v in layout.items()}
+    trainer = MilesLikeTrainer.remote(sum(t.numel() * t.element_size() for t in tensors.values()))
+    ray.get(handle.register_weight_for_rdt.remote(), timeout=60)
+    for path, body in (("/pause_generation", {"mode": "retract"}),
+                       ("/begin_weight_update", {"selector": "all"})):
+        assert requests.post(f"{url}{path}", json=body, timeout=60).status_code == 200
+    (ref,) = ray.get(trainer.stage_and_put.remote(tensors), timeout=60)
+    ray.get(handle.pull_weights.remote([ref], list(tensors)), timeout=120)
+    for path, body in (("/update_weight_version", {"new_version": "handles-1"}),
+                       ("/end_weight_update", {}), ("/continue_generation", {})):
+        assert requests.post(f"{url}{path}", json=body, timeout=60).status_code == 200, path
+    r = requests.post(f"{url}/generate", json={
+        "text": "the quick brown fox",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}},
+        timeout=60).json()
+    assert r["output_ids"] == hf_greedy(tiny_model, "the quick brown fox", 8, new)
+    assert r["meta_info"]["weight_version"] == "handles-1"
+    ray.kill(trainer)
 
 
 def _healthy(port: int) -> bool:

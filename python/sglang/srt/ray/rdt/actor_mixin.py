@@ -30,6 +30,7 @@ thread at a safe point between loop iterations
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -50,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 # How long a call waits for the scheduler loop to reach a safe point.
 SAFE_POINT_TIMEOUT_S = 120.0
+# How long a pull waits for a pause that is on its way to the scheduler.
+PAUSE_GRACE_S = 1.0
+_NOT_PAUSED = object()
 
 NOT_QUIESCED = (
     "refusing to pull weights while generation may run on this rank: {why}. "
@@ -167,6 +171,7 @@ class RdtWeightSyncMixin:
                 "so it cannot stay registered; pulls register per call instead"
             )
         self._rdt_rank_label = self._rank_labels()
+        self._rdt_flush_at_end = True  # finalize_weight_update(flush_cache=False) clears it
         self._rdt_state = RankUpdateState(
             param_names=lambda: [n for n, _ in model_runner.model.named_parameters()],
             rank=self._rank_text(),
@@ -269,13 +274,26 @@ class RdtWeightSyncMixin:
 
         def run(scheduler):
             why = _is_quiesced(scheduler)
-            if why is not None:
-                raise WeightSyncError(NOT_QUIESCED.format(why=why))
-            return receiver.pull(weights_refs, param_names, timeout)
+            if why is None:
+                return receiver.pull(weights_refs, param_names, timeout)
+            if not (upstream_session_open(scheduler) or scheduler._engine_paused):
+                return _NOT_PAUSED  # maybe the pause is still on its way
+            raise WeightSyncError(NOT_QUIESCED.format(why=why))
 
         budget = (timeout or receiver.pull_timeout_s) + SAFE_POINT_TIMEOUT_S
         try:
-            return self._on_scheduler(run, budget)
+            # A /pause_generation that returned has been sent to this rank,
+            # but the scheduler may take it in one loop iteration after this
+            # call reached its safe point: look again for a moment first.
+            deadline = time.monotonic() + PAUSE_GRACE_S
+            while True:
+                out = self._on_scheduler(run, budget)
+                if out is not _NOT_PAUSED:
+                    return out
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(NOT_QUIESCED.format(
+                        why="no weight-update session is open and generation is not paused"))
+                time.sleep(0.01)
         except BaseException as e:
             kind = failure_kind(e)
             if kind is not None:
@@ -317,17 +335,24 @@ class RdtWeightSyncMixin:
         def run(scheduler):
             if weight_version is not None:
                 scheduler.record_weight_version_change(new_version=str(weight_version))
-            if upstream_session_open(scheduler):
-                out = scheduler.weight_updater.end_weight_update(EndWeightUpdateReqInput())
-                problem = None if out.success else out.message
-            else:
-                why = _is_quiesced(scheduler)
-                if why is not None:
-                    raise WeightSyncError(
-                        "refusing to finalize while generation may run: " + why
-                    )
-                problem = self._end_paused_update(scheduler)
-            flushed = scheduler.flush_cache() if flush_cache else False
+            self._rdt_flush_at_end = flush_cache
+            try:
+                if upstream_session_open(scheduler):
+                    out = scheduler.weight_updater.end_weight_update(EndWeightUpdateReqInput())
+                    problem = None if out.success else out.message
+                else:
+                    why = _is_quiesced(scheduler)
+                    if why is not None:
+                        raise WeightSyncError(
+                            "refusing to finalize while generation may run: " + why
+                        )
+                    problem = self._end_paused_update(scheduler)
+            finally:
+                self._rdt_flush_at_end = True
+            last = self._rdt_state.last_update or {}
+            flushed = last.get("flushed_cache", False)
+            if flush_cache and not flushed:
+                flushed = scheduler.flush_cache()
             if problem:
                 raise WeightSyncError(f"the update ended inconsistent: {problem}")
             return {
@@ -352,7 +377,15 @@ class RdtWeightSyncMixin:
         return self._on_update_end()
 
     def _on_update_end(self) -> Optional[str]:
-        summary = self._rdt_state.end()
+        extra = {}
+        if self._rdt_flush_at_end and self._rdt_state.wrote_weights:
+            # KV in the prefix cache was computed with the old weights; the
+            # engine is paused, so nothing can be using it.
+            extra["flushed_cache"] = bool(self.scheduler.flush_cache())
+            if not extra["flushed_cache"]:
+                logger.warning("[RDT] the prefix cache could not be flushed after the update; "
+                               "call /flush_cache before generation continues")
+        summary = self._rdt_state.end(**extra)
         self._rdt_receiver.end_of_update()
         if summary["consistent"]:
             return None

@@ -15,8 +15,11 @@ costs no transfer speed (``benchmark/rdt_weight_sync/bench_pull.py`` shows
 both). :func:`configure_nixl_progress_thread` makes Ray build the agent with
 that delay. It must run in the process before the agent exists (the first
 registration or NIXL put); the receiver, the bucket sender, the same-node
-transport and the SchedulerActor call it. A trainer that puts with
-``_tensor_transport="nixl"`` on its own calls it once at start-up.
+transport and the SchedulerActor call it. Any process that imports the
+fork's ``sglang`` (a trainer that builds its rollout-layout replica with
+sglang's loaders, as miles does) gets it too: :func:`configure_on_ray_import`
+runs at ``import sglang`` and applies it as soon as Ray's NIXL transport module
+is loaded, without importing Ray itself.
 
 ``SGLANG_RDT_NIXL_PROGRESS_DELAY_US`` sets the delay (default 1000; ``0`` leaves
 NIXL's own setting). This module imports neither sglang nor torch, so a
@@ -26,6 +29,8 @@ trainer process can load it on its own.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import logging
 import os
 import sys
@@ -155,3 +160,42 @@ def describe() -> str:
     if _agent_delay_us:
         return f"sleeps up to {_agent_delay_us} us between UCX events"
     return "busy-polls (NIXL default)"
+
+
+_RAY_NIXL_MODULE = "ray.experimental.rdt.nixl_tensor_transport"
+
+
+class _ConfigureAfterLoad(importlib.abc.MetaPathFinder):
+    """Runs :func:`configure_nixl_progress_thread` right after Ray's NIXL
+    transport module is executed (it is loaded by ``import ray``)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _RAY_NIXL_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            loader_exec(module)
+            _configure_quietly()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _configure_quietly() -> None:
+    try:
+        configure_nixl_progress_thread()
+    except Exception as e:  # a bad env value: say so, never break an import
+        logger.warning("[RDT] NIXL progress-thread delay not applied: %s", e)
+
+
+def configure_on_ray_import() -> None:
+    """Apply :func:`configure_nixl_progress_thread` in this process now if
+    Ray is loaded, else as soon as it is (cheap; imports nothing)."""
+    if _RAY_NIXL_MODULE in sys.modules:
+        _configure_quietly()
+    elif not any(isinstance(f, _ConfigureAfterLoad) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ConfigureAfterLoad())

@@ -135,6 +135,12 @@ class RankUpdateState:
         u = self._update
         return u.kind if u else None
 
+    @property
+    def wrote_weights(self) -> bool:
+        """Whether the update in progress wrote (or may have written) weights."""
+        u = self._update
+        return u is not None and u.touched
+
     def begin(self) -> None:
         """sglang's ``begin_weight_update`` opened a session on this rank.
 

@@ -118,6 +118,19 @@ def _miles_update(server, ray, rank, trainer, tensors, version, mode="retract", 
     return end
 
 
+def _begin(server):
+    _post(server, "/pause_generation", {"mode": "retract"})
+    _post(server, "/begin_weight_update", {"selector": "all"})
+
+
+def _two_writers(ray, layout, tiny_model, seed_a, seed_b):
+    """Trainers A and B, the layout's two halves, and A's and B's new weights."""
+    names = list(layout)
+    half = len(names) // 2
+    return (_trainer(ray, layout), _trainer(ray, layout), names[:half], names[half:],
+            _tensors(tiny_model, layout, seed_a), _tensors(tiny_model, layout, seed_b))
+
+
 def _checksums(ray, rank):
     return ray.get(rank.get_parameter_checksums.remote(), timeout=60)
 
@@ -131,6 +144,10 @@ def test_miles_update_cycle_through_sglangs_lifecycle(server, rank, layout, ray_
         f"http://127.0.0.1:{boot}/parallelism_config", params={"rank": 0}, timeout=10).json()
     assert cfg == ray.get(rank.get_parallelism_config.remote(), timeout=30)
     assert (cfg["tp_size"], cfg["tp_rank"], cfg["dp_size"], cfg["rank"]) == (1, 0, 1, 0)
+    # miles hands that JSON to the trainer-side replica API as is.
+    from sglang.srt.distributed.parallel_state import RankParallelismConfig
+
+    assert RankParallelismConfig.from_dict(cfg).to_dict() == cfg
     missing = requests.get(f"{server.url}/parallelism_config", params={"rank": 5}, timeout=10)
     assert missing.status_code == 404 and "registered ranks: [0]" in missing.text
 
@@ -203,12 +220,8 @@ def test_two_trainers_writing_disjoint_halves_make_one_clean_update(
     server, rank, layout, ray_client, tiny_model
 ):
     ray = ray_client
-    names = list(layout)
-    a, b = _trainer(ray, layout), _trainer(ray, layout)
-    first, second = names[: len(names) // 2], names[len(names) // 2 :]
-    new_a, new_b = _tensors(tiny_model, layout, 51), _tensors(tiny_model, layout, 52)
-    _post(server, "/pause_generation", {"mode": "retract"})
-    _post(server, "/begin_weight_update", {"selector": "all"})
+    a, b, first, second, new_a, new_b = _two_writers(ray, layout, tiny_model, 51, 52)
+    _begin(server)
     _pull(ray, rank, a, {n: new_a[n] for n in first})
     _pull(ray, rank, b, {n: new_b[n] for n in second})
     _post(server, "/update_weight_version", {"new_version": "two-writers"})
@@ -219,7 +232,7 @@ def test_two_trainers_writing_disjoint_halves_make_one_clean_update(
     combined.update({n: random_state_dict(tiny_model, 52)[n] for n in second})
     assert server.output_ids(PROMPT, N) == hf_greedy(tiny_model, PROMPT, N, combined)
     last = ray.get(rank.get_weight_sync_stats.remote(), timeout=30)["last_update"]
-    assert (last["writers"], last["params_updated"], last["consistent"]) == (2, len(names), True)
+    assert (last["writers"], last["params_updated"], last["consistent"]) == (2, len(layout), True)
     for t in (a, b):
         ray.kill(t)
 
@@ -228,13 +241,9 @@ def test_same_parameters_from_two_trainers_in_one_update_are_refused_and_reporte
     server, rank, layout, ray_client, tiny_model
 ):
     ray = ray_client
-    names = list(layout)
-    a, b = _trainer(ray, layout), _trainer(ray, layout)
+    a, b, first, second, new_a, new_b = _two_writers(ray, layout, tiny_model, 61, 62)
     a_id, b_id = ray.get(a.actor_id.remote()), ray.get(b.actor_id.remote())
-    first, second = names[: len(names) // 2], names[len(names) // 2 :]
-    new_a, new_b = _tensors(tiny_model, layout, 61), _tensors(tiny_model, layout, 62)
-    _post(server, "/pause_generation", {"mode": "retract"})
-    _post(server, "/begin_weight_update", {"selector": "all"})
+    _begin(server)
     _pull(ray, rank, a, {n: new_a[n] for n in first})        # A's first half
     before = _checksums(ray, rank)
     with pytest.raises(ray.exceptions.RayTaskError) as e:    # B's first half: refused
@@ -262,8 +271,7 @@ def test_same_parameters_from_two_trainers_in_one_update_are_refused_and_reporte
 
     # One writer re-sending a bucket is fine (a retry); the clean update clears the state.
     tensors = _tensors(tiny_model, layout, 63)
-    _post(server, "/pause_generation", {"mode": "retract"})
-    _post(server, "/begin_weight_update", {"selector": "all"})
+    _begin(server)
     _pull(ray, rank, a, {n: tensors[n] for n in first})
     _pull(ray, rank, a, {n: tensors[n] for n in first})
     _pull(ray, rank, a, {n: tensors[n] for n in second})

@@ -17,6 +17,7 @@ in one update).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -148,6 +149,14 @@ def test_miles_update_cycle_through_sglangs_lifecycle(server, rank, layout, ray_
     from sglang.srt.distributed.parallel_state import RankParallelismConfig
 
     assert RankParallelismConfig.from_dict(cfg).to_dict() == cfg
+    # ... and rebuilds the engine's server args from /server_info, the dataclass way.
+    from sglang.srt.server_args import ServerArgs
+
+    info = requests.get(f"{server.url}/server_info", timeout=30).json()
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    assert fields == set(ServerArgs.__struct_fields__)
+    rebuilt = ServerArgs(**{k: v for k, v in info.items() if k in fields})
+    assert (rebuilt.model_path, rebuilt.port) == (str(tiny_model), server.port)
     missing = requests.get(f"{server.url}/parallelism_config", params={"rank": 5}, timeout=10)
     assert missing.status_code == 404 and "registered ranks: [0]" in missing.text
 

@@ -9,7 +9,11 @@ told to drop them.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List
+import os
+import signal
+import threading
+import time
+from typing import Dict, List, Optional
 
 import ray
 import torch
@@ -20,6 +24,31 @@ def checksum(tensors: Dict[str, torch.Tensor]) -> Dict[str, str]:
         n: hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
         for n, t in sorted(tensors.items())
     }
+
+
+def process_gone(pid: int) -> bool:
+    """True once process ``pid`` (on this host) has exited: no longer listed,
+    or a zombie waiting to be reaped (it runs no code and holds no memory)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rindex(b")") + 2 :][:1] in (b"Z", b"X")
+
+
+def actor_is_dead(actor, pid: Optional[int] = None) -> bool:
+    """True once ``actor`` is really dead after ``ray.kill``: Ray answers a
+    call on it with ActorDiedError and, if its ``pid`` is given, the process is
+    gone. ``ray.kill`` returns before either holds."""
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=10)
+        return False  # still serving calls
+    except ray.exceptions.ActorDiedError:
+        pass
+    except ray.exceptions.GetTimeoutError:
+        return False
+    return pid is None or process_gone(pid)
 
 
 def toy_model(seed: int = 0, width: int = 64) -> torch.nn.Module:
@@ -113,6 +142,70 @@ class ToyRank:
     def finalize(self):
         self.receiver.mark_consistent()
         return self.receiver.status()
+
+    def arm_sender_kill(self, pid: int, timeout_s: float = 120.0):
+        """Start a thread that SIGKILLs process ``pid`` (a sender on this host)
+        as soon as a pull into this rank's parameters is part-way done.
+
+        It samples the first, middle and last element of every parameter and
+        compares them with their values now; "part-way" is some samples
+        changed and others not yet. So every sample must change in the coming
+        pull (``reset_big``'s zeros vs ``ToyTrainer.put_large``'s ``i + 1``).
+        Returns once the thread watches; :meth:`disarm_sender_kill` stops it
+        and tells what it did.
+        """
+        import numpy as np
+
+        self.disarm_sender_kill()
+        arrays = [p.detach().reshape(-1).numpy() for p in self.model.parameters()]
+        idx = [np.unique([0, a.size // 2, a.size - 1]) for a in arrays]
+        old = [a[i].copy() for a, i in zip(arrays, idx)]
+        total = sum(len(i) for i in idx)
+        assert all(a.size for a in arrays) and total
+
+        def changed() -> int:
+            return sum(int(np.count_nonzero(a[i] != o)) for a, i, o in zip(arrays, idx, old))
+
+        record = {"killed": False, "samples": total, "outcome": None}
+        stop = threading.Event()
+
+        def watch():
+            deadline = time.monotonic() + timeout_s
+            scans = 0
+            while not stop.is_set() and time.monotonic() < deadline:
+                scans += 1
+                k = changed()
+                if k == total:
+                    record["outcome"] = "the pull completed before a part-way state was seen"
+                    break
+                if k:
+                    os.kill(pid, signal.SIGKILL)
+                    record.update(
+                        killed=True, t_kill=time.monotonic(), changed_at_kill=k,
+                        # < samples: the transfer was still running after the
+                        # signal was sent
+                        changed_after_kill=changed(),
+                        outcome="killed the sender part-way",
+                    )
+                    break
+                time.sleep(0.0005)  # a poll interval; lets the pull's threads run
+            else:
+                record["outcome"] = "disarmed" if stop.is_set() else "timed out"
+            record["scans"] = scans
+
+        thread = threading.Thread(target=watch, name="sender-killer", daemon=True)
+        self._killer = (thread, stop, record)
+        thread.start()
+        return True
+
+    def disarm_sender_kill(self):
+        thread, stop, record = getattr(self, "_killer", None) or (None, None, None)
+        if thread is None:
+            return None
+        stop.set()
+        thread.join()
+        self._killer = None
+        return record
 
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)

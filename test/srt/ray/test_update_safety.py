@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from conftest import live_actors, live_placement_groups, start_server, wait_until
-from rdt_actors import ToyTrainer
+from rdt_actors import ToyTrainer, actor_is_dead
 from test_weight_sync_e2e import PROMPT, run_trainer_job
 from tiny_model import hf_greedy, random_state_dict
 
@@ -33,33 +33,58 @@ def test_generation_never_sees_torn_weights_during_syncs(launch_server, tiny_mod
         "B": hf_greedy(tiny_model, PROMPT, n, random_state_dict(tiny_model, 12)),
     }
     assert len({tuple(v) for v in refs.values()}) == 3
+    # (sent, answered, output ids) of every request, in completion order.
     outputs, errors = [], []
     stop = threading.Event()
+    hammers = 4
 
     def hammer():
-        deadline = time.monotonic() + 600
-        while not stop.is_set() and time.monotonic() < deadline and len(outputs) < 2000:
+        deadline = time.monotonic() + 900
+        while not stop.is_set() and time.monotonic() < deadline:
+            sent = time.monotonic()
             try:
-                outputs.append(tuple(server.output_ids(PROMPT, n)))
+                ids = tuple(server.output_ids(PROMPT, n))
             except Exception as e:  # pragma: no cover - reported below
                 errors.append(repr(e))
+                return
+            outputs.append((sent, time.monotonic(), ids))
 
-    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    def answered_since(t0: float, what: str) -> float:
+        """Wait until every hammer could have sent a request after ``t0``:
+        ``hammers`` requests sent after ``t0`` are answered. No update runs
+        meanwhile, so each of them ran on the weights in place at ``t0``."""
+
+        def enough():
+            assert not errors, errors[:3]
+            return sum(sent > t0 for sent, _, _ in list(outputs)) >= hammers
+
+        wait_until(enough, 180, interval=0.05, what=f"{hammers} requests answered {what}")
+        return time.monotonic()
+
+    threads = [threading.Thread(target=hammer) for _ in range(hammers)]
+    phases = []  # (expected version, start, end): no update ran in between
+    t_start = time.monotonic()
     for t in threads:
         t.start()
     try:
-        time.sleep(2)
+        phases.append(("old", t_start, answered_since(t_start, "on the old weights")))
         for seed, version in [(11, "A1"), (12, "B1"), (11, "A2")]:
             run_trainer_job(ray_head, server, tiny_model, seed=seed, version=version)
-            time.sleep(1)
+            # The job returns after /weight_sync/end finalized the update.
+            t_end = time.monotonic()
+            phases.append((version[0], t_end, answered_since(t_end, f"after update {version}")))
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=120)
     assert not errors, errors[:3]
     allowed = {tuple(v): k for k, v in refs.items()}
-    seen = {allowed.get(o, "TORN") for o in outputs}
-    assert "TORN" not in seen, f"{sum(o not in allowed for o in outputs)} outputs match no version"
+    seen = {allowed.get(o, "TORN") for _, _, o in outputs}
+    assert "TORN" not in seen, f"{sum(o not in allowed for _, _, o in outputs)} outputs match no version"
+    # Requests sent and answered between two updates saw exactly one version.
+    for version, lo, hi in phases:
+        got = [allowed.get(o, "TORN") for sent, done, o in outputs if lo < sent and done <= hi]
+        assert len(got) >= hammers and set(got) == {version}, (version, got)
     assert {"old", "A", "B"} <= seen, seen  # the hammer really spanned the syncs
     assert server.output_ids(PROMPT, n) == refs["A"]
 
@@ -91,9 +116,11 @@ def test_broken_transfer_is_reported_until_a_complete_update_lands(
 
     # Bucket 2's trainer dies before the pull: bucket 1 lands, bucket 2 cannot.
     trainers, refs = _put_buckets(ray, layouts, random_state_dict(tiny_model, 21), chunks)
-    begin = requests.post(f"{server.url}/weight_sync/begin", json={"lease_s": 8}, timeout=60).json()
+    pid = ray.get(trainers[1].pid.remote())
     ray.kill(trainers[1])
-    time.sleep(1)
+    wait_until(lambda: actor_is_dead(trainers[1], pid), 60, interval=0.1,
+               what="bucket 2's trainer to die")
+    begin = requests.post(f"{server.url}/weight_sync/begin", json={"lease_s": 8}, timeout=60).json()
     t0 = time.monotonic()
     with pytest.raises(Exception, match="inconsistent"):
         ray.get(actor.pull_weights.remote(refs, chunks, 15), timeout=120)

@@ -140,7 +140,7 @@ class ToyRank:
             rx.set_target_for_ref = real
 
     def finalize(self):
-        self.receiver.mark_consistent()
+        self.receiver.state.end()
         return self.receiver.status()
 
     def arm_sender_kill(self, pid: int, timeout_s: float = 120.0):

@@ -7,6 +7,21 @@ forward pass. Instead they submit a task here; the event loop runs it right
 after it has taken in new requests (``Scheduler.ingest_requests``) and before
 it picks the next batch, so no batch is in flight on this rank's thread while
 the task runs, and the task sees scheduler state as the loop does.
+
+While generation is paused (or a weight-update session is open and nothing
+runs), sglang's loop has nothing to do but it still spins: it polls its
+sockets without blocking, round after round, holding the GIL most of the
+time. The Ray threads of the actor then wait for the GIL (Python hands it
+over only every ``sys.getswitchinterval()``, 5 ms) on every step of every
+call, and the rank burns a core doing nothing (two, measured: Ray's main
+thread spends the other fighting for the GIL). So at its safe point a loop
+in that state *waits* instead: in a poll on its request sockets and on this
+queue's wake pipe, for at most :data:`IDLE_WAIT_S`. A request wakes it at once
+(the loop goes round and takes it in); a queued task is run at once, still at
+this safe point, and the wait goes on (the caller then gets the GIL back
+without a fight). Only a rank that takes its requests alone does this (no
+tensor/pipeline peers and no DP attention, whose ranks go round in lockstep
+with it through a broadcast).
 """
 
 from __future__ import annotations
@@ -14,9 +29,14 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
+
+# The longest a quiet loop waits at its safe point before it goes round again
+# (request time-outs are checked once a round).
+IDLE_WAIT_S = 0.05
 
 
 class EventLoopNotRunning(RuntimeError):
@@ -31,6 +51,10 @@ class SafePointQueue:
         self._loop_thread: Optional[int] = None
         self._wake_r: Optional[int] = None  # see wake_fd()
         self._wake_w: Optional[int] = None
+        # (zmq.Poller over the request sockets + wake pipe, [sockets]) for the
+        # idle wait; None: not built yet; False: this loop must not wait.
+        self._idle_poller: Any = None
+        self.idle_waits = 0  # how many times the loop waited (status, tests)
 
     def wake_fd(self) -> int:
         """A file descriptor that becomes readable whenever a task is queued.
@@ -79,22 +103,82 @@ class SafePointQueue:
             self._state = "running"
         # Before taking tasks: a task queued after this read writes again.
         self._drain_wake()
+        self._run_queued(scheduler)
+        if self._may_wait(scheduler):
+            self._wait_for_work(scheduler)
+
+    def _run_queued(self, scheduler) -> None:
         while True:
             try:
-                fn, fut = self._tasks.get_nowait()
+                fn, fut, stamps = self._tasks.get_nowait()
             except queue.Empty:
                 return
             if not fut.set_running_or_notify_cancel():
                 continue  # the caller gave up waiting
+            stamps["started"] = time.perf_counter()
             try:
-                fut.set_result(fn(scheduler))
+                result = fn(scheduler)
             except BaseException as e:  # delivered to the caller
+                stamps["finished"] = time.perf_counter()
                 fut.set_exception(e)
+            else:
+                stamps["finished"] = time.perf_counter()
+                fut.set_result(result)
+
+    # Idle wait (see the module docstring) ----------------------------------
+    def _may_wait(self, scheduler) -> bool:
+        """Whether the loop has nothing to do until a request or a task comes."""
+        if self._idle_poller is False or not self._tasks.empty():
+            return False
+        if getattr(scheduler, "gracefully_exit", False) or getattr(
+            scheduler, "_deferred_input_requests", None
+        ):
+            return False
+        try:
+            if not getattr(scheduler, "_engine_paused", False):
+                # Not paused: only inside an open weight-update session with
+                # nothing running or waiting (a drain holds new requests).
+                session = getattr(getattr(scheduler, "weight_updater", None), "_session", None)
+                if session is None or not scheduler.is_fully_idle():
+                    return False
+            if self._poller_for(scheduler) is None:
+                return False
+        except Exception:  # a scheduler this module does not know: never wait
+            self._idle_poller = False
+            return False
+        # Looked at after the wake pipe exists: a task queued from here on
+        # also writes to it, so the poll cannot sleep through it.
+        return self._tasks.empty()
+
+    def _poller_for(self, scheduler):
+        if self._idle_poller is None:
+            self._idle_poller = _build_idle_poller(scheduler, self.wake_fd()) or False
+        return self._idle_poller or None
+
+    def _wait_for_work(self, scheduler) -> None:
+        poller, sockets = self._idle_poller
+        deadline = time.monotonic() + IDLE_WAIT_S
+        self.idle_waits += 1
+        while True:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0:
+                return
+            events = dict(poller.poll(max(1, int(remaining_ms))))  # the GIL is free meanwhile
+            if not events:
+                return  # time for a round of the loop
+            if any(sock in events for sock in sockets):
+                return  # a request: the loop takes it in
+            # Woken by a queued task: run it here, at this safe point, and
+            # wait on (the caller gets the GIL without a fight).
+            self._drain_wake()
+            self._run_queued(scheduler)
+            if not self._may_wait(scheduler):
+                return
 
     def _fail_pending(self, exc: BaseException) -> None:
         while True:
             try:
-                _, fut = self._tasks.get_nowait()
+                _, fut, _ = self._tasks.get_nowait()
             except queue.Empty:
                 return
             if fut.set_running_or_notify_cancel():
@@ -110,7 +194,13 @@ class SafePointQueue:
 
         Before the event loop starts, nothing else touches the scheduler, so the
         task runs inline. After it stopped, the call is refused.
+
+        A result that is a dict with a ``"timing"`` dict gets the task's stamps
+        added to it (``time.perf_counter()``: when it was queued, started on
+        the scheduler thread, finished, and when the caller had it back), so a
+        caller can tell the wait for the safe point from the work.
         """
+        queued = time.perf_counter()
         if self._state == "stopped":
             raise EventLoopNotRunning(
                 "the scheduler event loop is not running (engine shut down)"
@@ -118,14 +208,15 @@ class SafePointQueue:
         if self._state == "not_started":
             with self._inline_lock:
                 if self._state == "not_started":
-                    return fn(scheduler)
+                    return _stamped(fn(scheduler), {"queued": queued})
         if threading.get_ident() == self._loop_thread:
-            return fn(scheduler)
+            return _stamped(fn(scheduler), {"queued": queued})
         fut: Future = Future()
-        self._tasks.put((fn, fut))
+        stamps = {"queued": queued}
+        self._tasks.put((fn, fut, stamps))
         self._wake()
         try:
-            return fut.result(timeout=timeout_s)
+            result = fut.result(timeout=timeout_s)
         except FutureTimeout:
             if fut.cancel():
                 raise TimeoutError(
@@ -134,7 +225,51 @@ class SafePointQueue:
                 ) from None
             # It started just now: wait for it to finish rather than leave it
             # running behind the caller's back.
-            return fut.result()
+            result = fut.result()
+        return _stamped(result, stamps)
+
+
+def _stamped(result: Any, stamps: dict) -> Any:
+    timing = result.get("timing") if isinstance(result, dict) else None
+    if isinstance(timing, dict):
+        timing.update(stamps)
+        timing["resumed"] = time.perf_counter()
+        timing.setdefault("started", timing.get("pull_start", stamps["queued"]))
+        timing.setdefault("finished", timing["resumed"])
+    return result
+
+
+def _build_idle_poller(scheduler, wake_fd: int):
+    """A poller over ``scheduler``'s request sockets and ``wake_fd``, or None
+    when this loop must not block between rounds: it does not take requests
+    itself, it has peers that go round in lockstep with it (TP, PP, DP
+    attention), or its input is not plain zmq sockets."""
+    import zmq
+
+    from sglang.srt.runtime_context import get_parallel
+
+    par = get_parallel()
+    if (
+        getattr(par, "tp_size", 1) != 1
+        or getattr(par, "pp_size", 1) != 1
+        or getattr(par, "attn_dp_enabled", False)
+    ):
+        return None
+    receiver = getattr(scheduler, "request_receiver", None)
+    if receiver is None or any(
+        getattr(receiver, extra, None) is not None
+        for extra in ("recv_skipper", "input_blocker", "scripted_scheduler_hook")
+    ):
+        return None
+    sockets = [getattr(receiver, "recv_from_tokenizer", None), getattr(receiver, "recv_from_rpc", None)]
+    if not isinstance(sockets[0], zmq.Socket):
+        return None  # not the rank that takes requests, or a non-zmq ingress
+    sockets = [s for s in sockets if isinstance(s, zmq.Socket)]
+    poller = zmq.Poller()
+    for sock in sockets:
+        poller.register(sock, zmq.POLLIN)
+    poller.register(wake_fd, zmq.POLLIN)
+    return poller, sockets
 
 
 def run_safe_point_tasks(scheduler) -> None:

@@ -239,6 +239,33 @@ class RegistrationBook:
         return n
 
 
+# Pull plans kept (one per bucket layout a trainer sends; miles sends the same
+# few every update).
+MAX_CACHED_PLANS = 256
+
+
+class _Plan:
+    """The targets :func:`plan_pull` chose for one layout, and what each
+    target parameter was when planned: object, address, shape, dtype, strides."""
+
+    __slots__ = ("targets", "_checks")
+
+    def __init__(self, targets: List[List[torch.Tensor]], params: Sequence[torch.Tensor]):
+        self.targets = targets
+        self._checks = [(p, p.data_ptr(), p.shape, p.dtype, p.stride()) for p in params]
+
+    def still_live(self) -> bool:
+        """Every target parameter still has the storage and layout it was
+        planned with (``param.data = new`` or a re-allocation changes the
+        address: the old storage cannot be handed out again while the plan
+        holds a view of it; a re-view of the same storage changes shape,
+        dtype or strides)."""
+        for p, ptr, shape, dtype, stride in self._checks:
+            if p.data_ptr() != ptr or p.shape != shape or p.dtype != dtype or p.stride() != stride:
+                return False
+        return True
+
+
 class RdtWeightReceiver:
     """Pull RDT refs into the live parameters returned by ``get_params``."""
 
@@ -265,6 +292,12 @@ class RdtWeightReceiver:
         self._want_registered = False
         self._registered_layout = None  # params' (data_ptr, numel) at the last sync
         self._weights_released = False
+        # The live parameters as one walk of the model found them, and the
+        # pull plans made against them (see _plan: when they are trusted,
+        # checked again, or dropped).
+        self._params: Optional[Mapping[str, torch.Tensor]] = None
+        self._plans: Dict[tuple, "_Plan"] = {}
+        self._params_stale = False  # walk again, but plans may survive
         # What updates wrote, consistency and counters (the rank's one owner).
         self.state = state or RankUpdateState(param_names=lambda: list(get_params()))
 
@@ -291,6 +324,7 @@ class RdtWeightReceiver:
             warn_if_expandable_segments(params)
             changes = self._registrations.sync(params)
             self._registered_layout = None
+            self._forget_params()
             self._want_registered = True
             dt = time.perf_counter() - t0
         logger.info(
@@ -313,6 +347,7 @@ class RdtWeightReceiver:
 
     def _release_registrations(self) -> int:
         self._registered_layout = None
+        self._forget_params()
         if self._registrations is None:
             return 0
         n = self._registrations.release_all()
@@ -332,7 +367,9 @@ class RdtWeightReceiver:
             self._weights_released = False
             if self._want_registered and self._registrations is not None:
                 self._registrations.sync([p.data for p in self._get_params().values()])
-                self._registered_layout = None
+            self._registered_layout = None
+            self._forget_params()
+            if self._want_registered and self._registrations is not None:
                 logger.info(
                     "[RDT] re-registered %d parameter storages after resume",
                     len(self._registrations),
@@ -349,8 +386,21 @@ class RdtWeightReceiver:
         """An update is over: the trainer may now free or re-use what it put,
         so no cached mapping of its memory may be read from again — except
         buffers their sender declared persistent (``WeightSyncClient``'s
-        buckets), which it releases through :meth:`release_sender` first."""
+        buckets), which it releases through :meth:`release_sender` first.
+
+        The update's post-load processing (which ran just before) may have
+        moved or replaced parameters: the next pull walks the model again and
+        keeps the pull plans only if every parameter is still the same object
+        (each plan also checks its targets' storage on every use)."""
+        with self._lock:
+            self._params_stale = True
         close_cached_mappings(keep_persistent=True)
+
+    def _forget_params(self) -> None:
+        """Walk the model again at the next pull and plan every layout anew."""
+        self._params = None
+        self._params_stale = False
+        self._plans.clear()
 
     def release_sender(self, sender: Optional[str] = None) -> int:
         """Close the cached mappings of one sender's memory (all: ``None``)."""
@@ -410,23 +460,30 @@ class RdtWeightReceiver:
                     "before pulling"
                 )
             self._bind_device()
-            t0 = time.perf_counter()
+            clock = time.perf_counter
+            t0 = mark = clock()
+            stages: Dict[str, float] = {}
+
+            def lap(stage: str) -> None:
+                nonlocal mark
+                now = clock()
+                stages[stage] = now - mark
+                mark = now
+
             specs = [ref_tensor_specs(r, timeout_s) for r in refs]
+            lap("metadata")
             names = group_names(param_names, [len(s) for s in specs])
-            params = self._get_params()
-            targets = plan_pull(specs, names, params)
+            targets, walked, reused = self._plan(specs, names)
+            lap("plan")
             if self._want_registered and self._registrations is not None:
-                # Post-load processing may have re-allocated parameters: sync
-                # the registrations when any parameter moved or resized.
-                layout = [(p.data_ptr(), p.numel()) for p in params.values()]
-                if layout != self._registered_layout:
-                    self._registrations.sync([p.data for p in params.values()])
-                    self._registered_layout = layout
+                self._sync_registrations(targets, walked, reused)
             warn_if_expandable_segments([t for ts in targets for t in ts])
+            lap("registration")
             nbytes = sum(t.numel() * t.element_size() for ts in targets for t in ts)
             ntensors = sum(len(ts) for ts in targets)
             writes = [(ns, ref_writer(r)) for ns, r in zip(names, refs)]
             self.state.admit(writes)  # no parameter written by two writers
+            lap("admit")
             t_plan = time.perf_counter() - t0
             all_names = [n for ns in names for n in ns]
 
@@ -436,6 +493,7 @@ class RdtWeightReceiver:
             # references to it are weak.
             for ref, ts in zip(refs, targets):
                 set_target_for_ref(ref, ts)
+            lap("set_target")
             t1 = time.perf_counter()
             try:
                 results = ray.get(refs, timeout=timeout_s)
@@ -446,18 +504,22 @@ class RdtWeightReceiver:
                     "parameters may hold new bytes and others old ones"
                 )
                 self.state.transfer_failed(all_names, reason)
+                self._forget_params()
                 logger.error("[RDT] %s: %s", reason, e)
                 raise WeightsInconsistentError(
                     f"{reason}. The engine reports its weights as inconsistent until a "
                     f"complete update ends. Cause: {type(e).__name__}: {e}"
                 ) from e
             t_fetch = time.perf_counter() - t1
+            lap("transfer")
             transports = sorted({transport_used(r) for r in refs})
             problem = self._check_in_place(results, targets, names)
             del results
             if problem is not None:
                 self.state.transfer_failed(all_names, problem)
+                self._forget_params()
                 raise WeightsInconsistentError(problem)
+            lap("verify")
             seconds = time.perf_counter() - t0
 
         stats = {
@@ -471,13 +533,85 @@ class RdtWeightReceiver:
             "transports": transports,
             "transport": ",".join(transports),
             "registered": self.registered,
+            "plan_reused": reused,
+            # Where the call's time went (seconds per stage), and when the
+            # pull began and ended on this host's monotonic clock
+            # (time.perf_counter: comparable across processes of one host).
+            "stages": stages,
+            "timing": {"pull_start": t0},
         }
         self.state.landed(writes, stats)
-        logger.info(
+        lap("record")
+        # One INFO line per new layout (its first pull); a pull repeating a
+        # planned layout logs at DEBUG: the update's INFO line has the totals.
+        logger.log(
+            logging.DEBUG if reused else logging.INFO,
             "[RDT] pulled %d tensors, %.1f MiB in %.3f s (%.2f GB/s, transport=%s, registered=%s)",
             ntensors, nbytes / 2**20, t_fetch, stats["gbps"], stats["transport"], self.registered,
         )
+        lap("log")
+        stats["timing"]["pull_end"] = mark
         return stats
+
+    def _plan(self, specs, names) -> "tuple[List[List[torch.Tensor]], bool, bool]":
+        """The targets of a pull, whether the model was walked for them, and
+        whether a plan was reused.
+
+        A layout (names, shapes, dtypes) seen before reuses its plan when
+        every target parameter is still at the address and in the layout it
+        was planned with; anything else is checked in full by
+        :func:`plan_pull` against the parameter map. That map is one walk of
+        the model, taken at the first pull and again at the first pull after
+        anything that may move parameters: after the end of an update (its
+        post-load processing ran) the plans survive the new walk only if it
+        finds the same parameter objects; memory release/resume,
+        (de)registration and a failed pull drop them.
+        """
+        walked = False
+        if self._params_stale:
+            # After an update's post-load processing: the plans stay only if
+            # the walk finds the very same parameter objects.
+            fresh = self._get_params()
+            old, self._params_stale = self._params, False
+            if old is None or fresh.keys() != old.keys() or any(
+                fresh[n] is not old[n] for n in fresh
+            ):
+                self._plans.clear()
+            self._params, walked = fresh, True
+        key = (tuple(tuple(ns) for ns in names), tuple(tuple(ss) for ss in specs))
+        plan = self._plans.get(key)
+        if plan is not None:
+            if plan.still_live():
+                return plan.targets, walked, True
+            self._forget_params()  # something moved under us: start over
+        if self._params is None:
+            self._params, walked = self._get_params(), True
+        targets = plan_pull(specs, names, self._params)
+        if len(self._plans) >= MAX_CACHED_PLANS:
+            self._plans.clear()
+        self._plans[key] = _Plan(
+            targets, [self._params[n] for ns in names for n in ns]
+        )
+        return targets, walked, False
+
+    def _sync_registrations(self, targets, walked: bool, reused: bool) -> None:
+        """Keep the NIXL registrations on the parameters' current storage.
+
+        After a fresh walk: compare every parameter's (address, size) with
+        the last sync (post-load processing may have re-allocated any of
+        them). Otherwise only this pull's targets need to be covered: a
+        reused plan's targets did not move since they were covered
+        (``_Plan.still_live``; any change of the registrations drops the
+        plans), a new plan's are looked up in the registration book.
+        """
+        book = self._registrations
+        if not walked and (reused or all(book.covers(t) for ts in targets for t in ts)):
+            return
+        params = self._params if self._params is not None else self._get_params()
+        layout = [(p.data_ptr(), p.numel()) for p in params.values()]
+        if layout != self._registered_layout:
+            book.sync([p.data for p in params.values()])
+            self._registered_layout = layout
 
     @staticmethod
     def _check_in_place(results, targets, names) -> Optional[str]:

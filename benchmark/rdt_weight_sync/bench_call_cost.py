@@ -1,0 +1,397 @@
+#!/usr/bin/env python3
+"""The fixed cost of one ``SchedulerActor.pull_weights`` call in a live engine.
+
+A trainer calls ``pull_weights`` once per bucket per rank, every update, so
+what one call costs regardless of its bytes multiplies. This measures it
+against a real ``python -m sglang.launch_server --backend ray
+--enable-rdt-weight-sync`` server: generation paused as miles does it
+(``/pause_generation {"mode": "retract"}``, ``/flush_cache``,
+``/begin_weight_update``), then many calls, each pulling a fresh NIXL ref of
+tiny tensors (default: one 256-byte parameter) put by a trainer actor shaped
+like miles' (one registered bucket, views put with
+``ray.put(views, _tensor_transport="nixl")``). The update is ended and
+generation continued afterwards.
+
+Next to every pull it times two calls to the same actor that do no weight
+work: ``__ray_ready__`` (Ray's built-in no-op method) and
+``get_weight_sync_status`` (a plain method of ours). It prints p50/p90 of
+each, and the pull split into stages, from the stamps the rank returns
+(``pull_weights``' ``stages`` and ``timing``; all stamps are
+``time.perf_counter()``, one monotonic clock for every process of the host):
+
+==================  ========================================================
+dispatch            the driver's ``.remote()`` until the actor method queued
+                    the pull for the scheduler thread (Ray's call path)
+safe-point pickup   queued until the scheduler loop started the task
+quiesce check       the actor's check that no batch runs (actor_mixin)
+metadata            RDT metadata of the refs (shapes, dtypes)
+plan                names → live parameters, shape/dtype/contiguity checks
+registration        NIXL registrations still cover the parameters?
+admit               who put each ref; the update state's conflict check
+set_target          ``set_target_for_ref``
+transfer            ``ray.get`` of the refs (NIXL handshake + copy)
+verify              transport used + every tensor landed in its target
+record              the update state's record of the pull, metrics
+log                 the pull's log line
+safe-point handoff  the task finished until the actor thread had it back
+reply               the actor thread's return until the driver had the
+                    result (Ray's return path)
+==================  ========================================================
+
+Examples::
+
+    # Everything itself: a private Ray head, the test suite's tiny Llama,
+    # a CPU server (~40 s to start on a 2-core box), 300 calls
+    python benchmark/rdt_weight_sync/bench_call_cost.py --calls 300
+    # Against a running server (its Ray cluster in RAY_ADDRESS, with
+    # RAY_AUTH_MODE=token and its token; --namespace: its --ray-namespace)
+    python benchmark/rdt_weight_sync/bench_call_cost.py --url http://127.0.0.1:30000 \\
+        --namespace sglang --calls 300
+
+It overwrites the pulled parameters with their own bytes' worth of ones (RMSNorm
+weights of the tiny model start as ones). Numbers go to ``--json-out``
+(default ``$OUT/bench_call_cost.json`` when ``OUT`` is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "test" / "srt" / "ray"
+
+# The rank's stages, in the order they happen (see the module docstring).
+RANK_STAGES = ["metadata", "plan", "registration", "admit", "set_target", "transfer",
+               "verify", "record", "log"]
+ROWS = ["dispatch", "safe-point pickup", "quiesce check", *RANK_STAGES,
+        "safe-point handoff", "reply"]
+
+
+def pct(values: List[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of ``values``."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def split(out: Dict[str, Any], t_send: float, t_recv: float) -> Dict[str, float]:
+    """One pull's wall time split into the rows above (seconds)."""
+    tm, st = out["timing"], out["stages"]
+    row = {
+        "dispatch": tm["queued"] - t_send,
+        "safe-point pickup": tm["started"] - tm["queued"],
+        "quiesce check": tm["pull_start"] - tm["started"],
+        **{k: st.get(k, 0.0) for k in RANK_STAGES},
+        "safe-point handoff": tm["resumed"] - tm["finished"],
+        "reply": t_recv - tm["resumed"],
+    }
+    # What the stages above do not cover inside the task (the receiver's
+    # lock, its prologue, the task's return): shown so nothing is hidden.
+    row["rest of task"] = (tm["finished"] - tm["started"]) - row["quiesce check"] - sum(
+        st.get(k, 0.0) for k in RANK_STAGES)
+    row["total"] = t_recv - t_send
+    return row
+
+
+# --------------------------------------------------------------------------- #
+# The trainer: miles' shape (registered bucket, views put over NIXL)
+# --------------------------------------------------------------------------- #
+def make_trainer(ray):
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class CallCostTrainer:
+        def __init__(self, shapes, dtypes):
+            import torch
+            from ray.experimental import register_nixl_memory
+
+            try:  # a trainer importing the fork gets a NIXL progress thread that sleeps
+                import sglang.srt.ray  # noqa: F401
+            except Exception:
+                pass
+            dtypes = [getattr(torch, d) for d in dtypes]
+            nbytes = sum(math.prod(s) * torch.empty(0, dtype=d).element_size() + 64
+                         for s, d in zip(shapes, dtypes))
+            self.bucket = torch.zeros(nbytes, dtype=torch.uint8)
+            register_nixl_memory(self.bucket)
+            self.views, off = [], 0
+            for s, d in zip(shapes, dtypes):
+                size = torch.empty(0, dtype=d).element_size()
+                off = -(-off // 64) * 64
+                n = math.prod(s) * size
+                v = self.bucket[off: off + n].view(d).view(s)
+                v.fill_(1)
+                self.views.append(v)
+                off += n
+            self.refs = []
+
+        def put(self):
+            ref = ray.put(self.views, _tensor_transport="nixl")
+            self.refs = [ref]  # the previous call's ref is dropped
+            return [ref]
+
+    return CallCostTrainer
+
+
+# --------------------------------------------------------------------------- #
+# A server of our own (no --url)
+# --------------------------------------------------------------------------- #
+class OwnServer:
+    def __init__(self, extra_args: List[str], log=print):
+        sys.path.insert(0, str(TESTS))
+        from ray_harness import RayHead  # the suite's and the demo's plumbing
+
+        self.log = log
+        self.work = Path(tempfile.mkdtemp(prefix="call_cost_"))
+        self.head = RayHead.launch(namespace="call-cost")
+        self.proc: Optional[subprocess.Popen] = None
+        self.extra_args = extra_args
+
+    def start(self, timeout: float = 480) -> str:
+        from ray_harness import CPU_SERVER_ARGS, free_port, wait_healthy
+        from tiny_model import build_tiny_model
+
+        model = build_tiny_model(self.work / "tiny-llama")
+        self.head.wait()
+        os.environ.update(self.head.env)
+        self.port = free_port()
+        args = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+            "--port", str(self.port), *CPU_SERVER_ARGS,
+            "--backend", "ray", "--enable-rdt-weight-sync",
+            "--ray-namespace", self.head.namespace,
+            "--engine-info-bootstrap-port", str(free_port()), *self.extra_args,
+        ]
+        self.log_path = self.work / "server.log"
+        env = {**os.environ, **self.head.env}
+        with open(self.log_path, "wb") as f:
+            self.proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        url = f"http://127.0.0.1:{self.port}"
+        t0 = time.monotonic()
+        wait_healthy(self.proc, url, timeout, log=lambda: self.log_path.read_text(errors="replace"))
+        self.log(f"server up in {time.monotonic() - t0:.0f} s ({url})")
+        return url
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.head.stop()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- #
+def find_rank(ray, port: int, namespace: Optional[str]):
+    named = [
+        e for e in ray.util.list_named_actors(all_namespaces=True)
+        if e["name"].startswith("sglang_scheduler_node") and f"_port{port}_" in e["name"]
+        and (namespace is None or e["namespace"] == namespace)
+    ]
+    if not named:
+        raise SystemExit(f"no SchedulerActor of the server on port {port} in this cluster")
+    e = sorted(named, key=lambda e: e["name"])[0]
+    return ray.get_actor(e["name"], namespace=e["namespace"]), e["name"]
+
+
+def post(url: str, path: str, body=None) -> Dict[str, Any]:
+    r = requests.post(f"{url}{path}", json=body or {}, timeout=120)
+    r.raise_for_status()
+    return r.json() if r.content else {}
+
+
+def measure(args, url: str, log=print) -> Dict[str, Any]:
+    import ray
+
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=args.namespace,
+                 log_to_driver=False, logging_level="ERROR")
+    rank, actor_name = find_rank(ray, port, args.namespace)
+    reg = ray.get(rank.register_weight_for_rdt.remote(), timeout=120)
+    layout = ray.get(rank.get_parameter_layout.remote(), timeout=60)
+    import torch
+
+    def nbytes(n: str) -> int:
+        dtype = getattr(torch, layout[n]["dtype"])
+        return math.prod(layout[n]["shape"]) * torch.empty(0, dtype=dtype).element_size()
+
+    names = sorted(layout, key=lambda n: (abs(nbytes(n) - args.bytes), n))[: args.tensors]
+    shapes = [layout[n]["shape"] for n in names]
+    dtypes = [layout[n]["dtype"] for n in names]
+    trainer = make_trainer(ray).remote(shapes, dtypes)
+    ray.get(trainer.put.remote(), timeout=120)
+
+    def begin() -> None:
+        post(url, "/pause_generation", {"mode": args.pause_mode})
+        if args.pause_mode != "in_place":
+            requests.get(f"{url}/flush_cache", timeout=60).raise_for_status()
+        post(url, "/begin_weight_update", {"selector": "all"})
+
+    def end(version: str) -> None:
+        post(url, "/update_weight_version", {"new_version": version})
+        r = requests.post(f"{url}/end_weight_update", json={}, timeout=120)
+        post(url, "/continue_generation")
+        if r.status_code != 200 or not r.json().get("success"):
+            raise SystemExit(f"the update did not end cleanly: {r.status_code} {r.text}")
+
+    rows: List[Dict[str, float]] = []
+    noop: List[float] = []
+    status_call: List[float] = []
+    reused: List[bool] = []
+    first: Dict[str, Any] = {}
+    clock = time.perf_counter
+    updates = 1
+    begin()
+    try:
+        for i in range(args.warmup + args.calls):
+            if args.calls_per_update and i > args.warmup and (i - args.warmup) % args.calls_per_update == 0:
+                end(f"call-cost-{os.getpid()}-{updates}")  # miles: one update per round of buckets
+                begin()
+                updates += 1
+            (ref,) = ray.get(trainer.put.remote(), timeout=60)
+            t0 = clock()
+            ray.get(rank.__ray_ready__.remote(), timeout=60)
+            t1 = clock()
+            ray.get(rank.get_weight_sync_status.remote(), timeout=60)
+            t2 = clock()
+            out = ray.get(rank.pull_weights.remote([ref], names), timeout=120)
+            t3 = clock()
+            del ref
+            if i == 0:
+                first = {"total_ms": (t3 - t2) * 1e3,
+                         "stages_ms": {k: v * 1e3 for k, v in out.get("stages", {}).items()}}
+            if i < args.warmup:
+                continue
+            noop.append(t1 - t0)
+            status_call.append(t2 - t1)
+            rows.append(split(out, t2, t3))
+            reused.append(bool(out.get("plan_reused")))
+    finally:
+        try:
+            end(f"call-cost-{os.getpid()}-{updates}")
+        finally:
+            ray.kill(trainer)
+
+    def summary(values: List[float]) -> Dict[str, float]:
+        return {"p50_ms": pct(values, 50) * 1e3, "p90_ms": pct(values, 90) * 1e3,
+                "mean_ms": statistics.fmean(values) * 1e3}
+
+    keys = [*ROWS, "rest of task", "total"]
+    return {
+        "url": url,
+        "actor": actor_name,
+        "calls": args.calls,
+        "warmup": args.warmup,
+        "tensors": len(names),
+        "names": names,
+        "bytes": sum(nbytes(n) for n in names),
+        "pause_mode": args.pause_mode,
+        "updates": updates,
+        "plan_reused": sum(reused) / max(1, len(reused)),
+        "registered": reg.get("registered"),
+        "first_call": first,
+        "noop": summary(noop),
+        "status_call": summary(status_call),
+        "pull": {k: summary([r[k] for r in rows]) for k in keys},
+        "load_average": os.getloadavg(),
+    }
+
+
+def print_table(res: Dict[str, Any], target: float) -> None:
+    pull, noop, status = res["pull"], res["noop"], res["status_call"]
+    print()
+    print(f"pull_weights of {res['tensors']} tensor(s), {res['bytes']} bytes, "
+          f"{res['calls']} calls after {res['warmup']} warm-up, {res['updates']} update(s), "
+          f"plan reused in {res['plan_reused']:.0%}; load average "
+          + " ".join(f"{x:.1f}" for x in res["load_average"]))
+    print(f"{'':28s}{'p50 ms':>9s}{'p90 ms':>9s}{'mean ms':>9s}")
+    for label, s in (("no-op call (__ray_ready__)", noop),
+                     ("get_weight_sync_status", status),
+                     ("pull_weights, whole call", pull["total"])):
+        print(f"{label:28s}{s['p50_ms']:9.3f}{s['p90_ms']:9.3f}{s['mean_ms']:9.3f}")
+    print("  stages of pull_weights:")
+    for k in [*ROWS, "rest of task"]:
+        s = pull[k]
+        print(f"    {k:24s}{s['p50_ms']:9.3f}{s['p90_ms']:9.3f}{s['mean_ms']:9.3f}")
+    ratio = pull["total"]["p50_ms"] / noop["p50_ms"]
+    ratio_status = pull["total"]["p50_ms"] / status["p50_ms"]
+    res["ratio_p50_vs_noop"] = ratio
+    res["ratio_p50_vs_status"] = ratio_status
+    print(f"pull p50 / no-op p50: {ratio:.2f}x; / get_weight_sync_status p50: {ratio_status:.2f}x "
+          f"(target <= {target:g}x: {'met' if ratio <= target else 'NOT met'})")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="a running server (else one is started here)")
+    p.add_argument("--namespace", default=None,
+                   help="its --ray-namespace (default: any namespace)")
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--tensors", type=int, default=1, help="parameters per pull")
+    p.add_argument("--bytes", type=int, default=256,
+                   help="pick the parameters closest to this size")
+    p.add_argument("--pause-mode", default="retract", choices=["abort", "retract", "in_place"])
+    p.add_argument("--calls-per-update", type=int, default=0,
+                   help="end the update and begin a new one after this many calls, as a "
+                        "trainer does every step (default: all calls in one update)")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra argument for the server started here (repeat)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the Ray head started here, so of every actor "
+                        "(e.g. UCX_TLS=cma,tcp,self; repeat)")
+    p.add_argument("--target", type=float, default=2.0, help="p50 ratio to the no-op call")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    if args.env and args.url:
+        p.error("--env applies to the Ray head started here, not to --url's")
+
+    own = None
+    url = args.url
+    try:
+        if url is None:
+            os.environ["RAY_AUTH_MODE"] = "token"
+            os.environ.update(dict(kv.split("=", 1) for kv in args.env))
+            own = OwnServer(args.server_arg)
+            url = own.start()
+            args.namespace = own.head.namespace
+        res = measure(args, url)
+    finally:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            if own is not None:
+                own.stop()
+    res["env"] = args.env
+    print_table(res, args.target)
+    out = args.json_out or (os.path.join(os.environ["OUT"], "bench_call_cost.json")
+                            if os.environ.get("OUT") else None)
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1))
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 SAFE_POINT_TIMEOUT_S = 120.0
 # How long a pull waits for a pause that is on its way to the scheduler.
 PAUSE_GRACE_S = 1.0
-_NOT_PAUSED = object()
+NOT_PAUSED = "no weight-update session is open and generation is not paused"
+_NOT_PAUSED_YET = object()
 
 NOT_QUIESCED = (
     "refusing to pull weights while generation may run on this rank: {why}. "
@@ -80,7 +81,7 @@ def _is_quiesced(scheduler) -> Optional[str]:
     session_open = upstream_session_open(scheduler)
     paused = bool(getattr(scheduler, "_engine_paused", False))
     if not (session_open or paused):
-        return "no weight-update session is open and generation is not paused"
+        return NOT_PAUSED
     try:
         idle = scheduler.is_fully_idle(ignore_waiting=True)
     except Exception as e:  # pragma: no cover - defensive
@@ -268,6 +269,8 @@ class RdtWeightSyncMixin:
 
         Raises ``WeightSyncError`` before any byte moves for a bad call (names,
         shapes, dtypes, refs), or when generation may be running;
+        ``WeightUpdateConflictError`` before any byte moves when another
+        writer already wrote one of the parameters in this update;
         ``WeightsInconsistentError`` when a transfer broke mid-way.
         """
         receiver = self._receiver()
@@ -276,8 +279,8 @@ class RdtWeightSyncMixin:
             why = _is_quiesced(scheduler)
             if why is None:
                 return receiver.pull(weights_refs, param_names, timeout)
-            if not (upstream_session_open(scheduler) or scheduler._engine_paused):
-                return _NOT_PAUSED  # maybe the pause is still on its way
+            if why == NOT_PAUSED:
+                return _NOT_PAUSED_YET  # maybe the pause is still on its way
             raise WeightSyncError(NOT_QUIESCED.format(why=why))
 
         budget = (timeout or receiver.pull_timeout_s) + SAFE_POINT_TIMEOUT_S
@@ -288,11 +291,10 @@ class RdtWeightSyncMixin:
             deadline = time.monotonic() + PAUSE_GRACE_S
             while True:
                 out = self._on_scheduler(run, budget)
-                if out is not _NOT_PAUSED:
+                if out is not _NOT_PAUSED_YET:
                     return out
                 if time.monotonic() > deadline:
-                    raise WeightSyncError(NOT_QUIESCED.format(
-                        why="no weight-update session is open and generation is not paused"))
+                    raise WeightSyncError(NOT_QUIESCED.format(why=NOT_PAUSED))
                 time.sleep(0.01)
         except BaseException as e:
             kind = failure_kind(e)

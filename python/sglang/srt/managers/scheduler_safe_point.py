@@ -39,6 +39,11 @@ from typing import Any, Callable, Optional
 IDLE_WAIT_S = 0.05
 
 
+def weight_update_session_open(scheduler) -> bool:
+    """Whether sglang's weight-update session (begin_weight_update) is open."""
+    return getattr(getattr(scheduler, "weight_updater", None), "_session", None) is not None
+
+
 class EventLoopNotRunning(RuntimeError):
     pass
 
@@ -138,8 +143,7 @@ class SafePointQueue:
             if not getattr(scheduler, "_engine_paused", False):
                 # Not paused: only inside an open weight-update session with
                 # nothing running or waiting (a drain holds new requests).
-                session = getattr(getattr(scheduler, "weight_updater", None), "_session", None)
-                if session is None or not scheduler.is_fully_idle():
+                if not weight_update_session_open(scheduler) or not scheduler.is_fully_idle():
                     return False
             if self._poller_for(scheduler) is None:
                 return False

@@ -38,6 +38,7 @@ import torch
 from sglang.srt.managers.scheduler_safe_point import (
     SafePointQueue,
     wake_idle_sleeper_on_tasks,
+    weight_update_session_open,
 )
 from sglang.srt.ray.rdt import metrics as rdt_metrics
 from sglang.srt.ray.rdt.errors import (
@@ -78,7 +79,7 @@ def failure_kind(exc: BaseException) -> Optional[str]:
 
 def _is_quiesced(scheduler) -> Optional[str]:
     """None when a pull is safe now, else why not."""
-    session_open = upstream_session_open(scheduler)
+    session_open = weight_update_session_open(scheduler)
     paused = bool(getattr(scheduler, "_engine_paused", False))
     if not (session_open or paused):
         return NOT_PAUSED
@@ -89,11 +90,6 @@ def _is_quiesced(scheduler) -> Optional[str]:
     if not idle:
         return "a batch is still running (paused in place?)"
     return None
-
-
-def upstream_session_open(scheduler) -> bool:
-    """Whether sglang's weight-update session (begin_weight_update) is open."""
-    return getattr(getattr(scheduler, "weight_updater", None), "_session", None) is not None
 
 
 def run_post_load(scheduler) -> None:
@@ -339,7 +335,7 @@ class RdtWeightSyncMixin:
                 scheduler.record_weight_version_change(new_version=str(weight_version))
             self._rdt_flush_at_end = flush_cache
             try:
-                if upstream_session_open(scheduler):
+                if weight_update_session_open(scheduler):
                     out = scheduler.weight_updater.end_weight_update(EndWeightUpdateReqInput())
                     problem = None if out.success else out.message
                 else:
@@ -409,7 +405,7 @@ class RdtWeightSyncMixin:
 
         def run(scheduler):
             status = self._rdt_state.abort(reason)  # first: end is then a no-op
-            if upstream_session_open(scheduler):
+            if weight_update_session_open(scheduler):
                 scheduler.weight_updater.end_weight_update(EndWeightUpdateReqInput())
             receiver.end_of_update()
             return status

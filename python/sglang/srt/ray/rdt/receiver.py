@@ -365,11 +365,10 @@ class RdtWeightReceiver:
     def on_weights_resumed(self) -> None:
         with self._lock:
             self._weights_released = False
-            if self._want_registered and self._registrations is not None:
-                self._registrations.sync([p.data for p in self._get_params().values()])
             self._registered_layout = None
             self._forget_params()
             if self._want_registered and self._registrations is not None:
+                self._registrations.sync([p.data for p in self._get_params().values()])
                 logger.info(
                     "[RDT] re-registered %d parameter storages after resume",
                     len(self._registrations),

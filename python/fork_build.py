@@ -54,6 +54,8 @@ class ForkConfig:
     local_version: str
     base_wheels: Dict[str, str]
     extras: Dict[str, List[str]]
+    # entry-point group -> {name: "module:function"}, added to entry_points.txt
+    entry_points: Dict[str, Dict[str, str]] = field(default_factory=dict)
     patches_dir: Path = REPO_ROOT / "patches"
     modules_dir: Path = PYTHON_DIR / "sglang"
     cache_dir: Path = DEFAULT_CACHE
@@ -75,6 +77,7 @@ class ForkConfig:
             local_version=tool["local-version"],
             base_wheels=dict(tool["base-wheels"]),
             extras={k: list(v) for k, v in tool.get("extras", {}).items()},
+            entry_points={g: dict(v) for g, v in tool.get("entry-points", {}).items()},
         )
         expected = cfg.version
         if data["project"]["version"] != expected:
@@ -248,6 +251,13 @@ def finalize_dist_info(tree: Path, cfg: ForkConfig) -> str:
 
     meta = new / "METADATA"
     meta.write_text(_rewrite_metadata(meta.read_text(), cfg))
+    if cfg.entry_points:
+        eps = new / "entry_points.txt"
+        text = eps.read_text() if eps.exists() else ""
+        for group, entries in cfg.entry_points.items():
+            text = text.rstrip("\n") + ("\n\n" if text.strip() else "") + f"[{group}]\n"
+            text += "".join(f"{name} = {target}\n" for name, target in entries.items())
+        eps.write_text(text)
 
     version_py = tree / "sglang" / "_version.py"
     text = version_py.read_text()

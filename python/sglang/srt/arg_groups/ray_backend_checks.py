@@ -4,6 +4,9 @@ from __future__ import annotations
 
 
 def check_weight_sync_args(server_args) -> None:
+    """Checks of the Ray backend's own flags (run from ServerArgs.check_server_args)."""
+    if getattr(server_args, "ray_placement_strategy", None) and not server_args.use_ray:
+        raise ValueError("--ray-placement-strategy needs the Ray backend: add --backend ray")
     if not getattr(server_args, "enable_rdt_weight_sync", False):
         return
     if not server_args.use_ray:

@@ -3,7 +3,7 @@
 sglang's scheduler owns the weight-update lifecycle (``begin_weight_update``,
 ``end_weight_update``, ``pause_generation``, ``continue_generation``,
 ``release/resume_memory_occupation``). Code that keeps state about the weights
-(the RDT weight-sync rank core, :mod:`sglang.srt.ray.rdt.update_state`) learns
+(the RDT weight-sync rank core, :mod:`sglang.srt.ray.rdt.engine.update_state`) learns
 about those events here, whichever path triggered them (HTTP, the Ray engine,
 the offline engine), instead of keeping a lifecycle of its own.
 

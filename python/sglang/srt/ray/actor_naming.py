@@ -93,7 +93,10 @@ def get_scheduler_actor_name(
     ``rank0_node_ip`` is the IP of the node that runs rank 0 of the engine (the
     node of the launching process), as Ray reports it
     (``ray.util.get_node_ip_address()``); every rank's name carries it, also
-    ranks on other nodes.
+    ranks on other nodes. On a placement group with one bundle per rank (the
+    caller's, or the engine's own with ``--ray-placement-strategy``) a DP
+    group's names carry the IP of the node of that group's first rank instead
+    (upstream's naming), and rank r is on bundle r (``bundle_idx=r``).
     """
     node_ip = _one_of("rank0_node_ip", rank0_node_ip, "node_ip", node_ip)
     bundle_index = _one_of("bundle_idx", bundle_idx, "bundle_index", bundle_index)

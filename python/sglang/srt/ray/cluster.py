@@ -115,6 +115,50 @@ def node_bundle(device: Optional[str], ranks_per_node: int) -> Dict[str, float]:
     return {"CPU": max(1, ranks_per_node)}
 
 
+def rank_bundle(device: Optional[str]) -> Dict[str, float]:
+    """One rank's bundle in a per-rank placement group."""
+    return {"CPU": 1, "GPU": 1} if uses_gpu(device) else {"CPU": 1}
+
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it
+
+
+def create_rank_placement_group(device: Optional[str], world_size: int, strategy: str, timeout_s: float):
+    """The engine's own group for ``--ray-placement-strategy``: one bundle per
+    rank, placed with ``strategy``, bundle 0 on this process's node (rank 0
+    stays with the engine's HTTP server and tokenizer). Rank ``r`` goes on
+    bundle ``r``, as with a caller's group; ``STRICT_SPREAD`` therefore puts
+    every rank on its own Ray node (and needs as many nodes as ranks).
+
+    Waits up to ``timeout_s`` for placement; removes the group if it fails.
+    """
+    from ray.util.placement_group import placement_group
+
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"--ray-placement-strategy must be one of {PLACEMENT_STRATEGIES}, got {strategy!r}")
+    here = ray.get_runtime_context().get_node_id()
+    pg = placement_group(
+        [rank_bundle(device)] * world_size,
+        strategy=strategy,
+        bundle_label_selector=[{NODE_ID_LABEL: here}] + [{}] * (world_size - 1),
+    )
+    try:
+        what = f"{world_size} rank bundles with strategy {strategy}"
+        if strategy == "STRICT_SPREAD":
+            what += f" (one Ray node per rank: {world_size} nodes, the first the launching one)"
+        wait_placement_group(pg, timeout_s, what)
+    except BaseException:
+        ray.util.remove_placement_group(pg)
+        raise
+    logger.info(
+        "[Ray] placement group %s: %d rank bundles, %s, on nodes %s",
+        pg.id.hex()[:8], world_size, strategy,
+        [n[:8] for _, n in sorted(ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).items())],
+    )
+    return pg
+
+
 def actor_resources(device: Optional[str]) -> Dict[str, float]:
     """``num_cpus`` / ``num_gpus`` for one scheduler actor inside its bundle."""
     return {"num_cpus": 0, "num_gpus": 1 if uses_gpu(device) else 0}

@@ -135,8 +135,12 @@ def start_engine(
     """Start tokenizer, detokenizer and SchedulerActors under the given Ray
     launch options (:func:`launch_engine` and the Ray ``launch_server``)."""
     from sglang.srt.entrypoints import engine as entry
+    from sglang.srt.plugins import load_plugins
     from sglang.srt.ray.engine import RayEngine
 
+    # As the CLI and Engine() do: the plugins' resolution hooks (the fork's
+    # flag rules among them) must be registered before server_args resolves.
+    load_plugins()
     with ray_launch_options(
         placement_group=placement_group, runtime_env=runtime_env, handles_mode=handles_mode
     ):
@@ -167,7 +171,7 @@ def serve_http(
     )
 
     if server_args.enable_rdt_weight_sync:
-        from sglang.srt.ray.rdt.http_routes import install_weight_sync_routes
+        from sglang.srt.ray.rdt.engine.http_routes import install_weight_sync_routes
 
         install_weight_sync_routes(app, server_args, launched)
     try:

@@ -133,14 +133,13 @@ def release(
 # Detached actors and the job that launched them
 # --------------------------------------------------------------------------- #
 OWNER_JOB_ENV = "SGLANG_RAY_ENGINE_OWNER_JOB"
-OWNER_CHECK_INTERVAL_ENV = "SGLANG_RAY_OWNER_CHECK_INTERVAL"
 
 
 def job_is_dead(job_id_hex: str) -> Optional[bool]:
     """True/False from the GCS job table; None if the job is unknown."""
-    from ray._private import state
+    from sglang.srt.ray.rdt.transport.compat import job_table
 
-    for job in state.jobs():
+    for job in job_table():
         jid = job.get("JobID")
         jid = jid.hex() if hasattr(jid, "hex") and not isinstance(jid, str) else jid
         if jid == job_id_hex:
@@ -155,10 +154,12 @@ def watch_owner_job(on_dead: Callable[[str], None], interval_s: Optional[float] 
     SIGKILLed nobody kills them, and they would hold the node's resources and
     the engine's actor names forever.
     """
-    owner = os.environ.get(OWNER_JOB_ENV)
+    from sglang.srt.environ import envs
+
+    owner = envs.SGLANG_RAY_ENGINE_OWNER_JOB.get()
     if not owner:
         return None
-    interval_s = interval_s or float(os.environ.get(OWNER_CHECK_INTERVAL_ENV, "2"))
+    interval_s = interval_s or envs.SGLANG_RAY_OWNER_CHECK_INTERVAL.get()
 
     def run():
         while True:

@@ -25,7 +25,7 @@ _LAZY = {"WeightSyncClient", "WeightSyncRankError"}
 
 def __getattr__(name):
     if name in _LAZY:
-        from sglang.srt.ray.rdt import client
+        from sglang.srt.ray.rdt.trainer import client
 
         return getattr(client, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

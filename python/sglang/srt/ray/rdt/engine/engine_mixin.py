@@ -13,11 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from sglang.srt.ray.rdt.session import (
-    DEFAULT_DRAIN_TIMEOUT_S,
-    DEFAULT_LEASE_S,
-    WeightSyncSession,
-)
+from sglang.srt.ray.rdt.defaults import SESSION_DRAIN_TIMEOUT_S, SESSION_LEASE_S
+from sglang.srt.ray.rdt.engine.session import WeightSyncSession
 
 
 class RdtEngineMixin:
@@ -33,7 +30,8 @@ class RdtEngineMixin:
         return session
 
     def begin_weight_sync(
-        self, lease_s: float = DEFAULT_LEASE_S, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+        self, lease_s: float = SESSION_LEASE_S,
+        drain_timeout_s: float = SESSION_DRAIN_TIMEOUT_S,
     ) -> Dict[str, Any]:
         return self.loop.run_until_complete(
             self._weight_sync_session().begin(lease_s, drain_timeout_s)
@@ -50,6 +48,6 @@ class RdtEngineMixin:
         return self.loop.run_until_complete(self._weight_sync_session().abort(reason))
 
     def weight_sync_status(self) -> Dict[str, Any]:
-        from sglang.srt.ray.rdt.http_routes import full_status
+        from sglang.srt.ray.rdt.engine.http_routes import full_status
 
         return self.loop.run_until_complete(full_status(self._weight_sync_session()))

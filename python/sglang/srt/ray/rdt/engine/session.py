@@ -5,7 +5,7 @@ are another spelling of sglang's weight-update lifecycle — the one miles drive
 with ``/pause_generation`` → ``/begin_weight_update`` → pulls →
 ``/update_weight_version`` → ``/end_weight_update`` → ``/continue_generation``.
 They keep no update state of their own: each rank's
-:class:`~sglang.srt.ray.rdt.update_state.RankUpdateState` owns it (what was
+:class:`~sglang.srt.ray.rdt.engine.update_state.RankUpdateState` owns it (what was
 written, consistency, counters), fed by the scheduler's lifecycle events.
 What the session adds:
 
@@ -36,13 +36,12 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
+from sglang.srt.ray.rdt.defaults import SESSION_DRAIN_TIMEOUT_S, SESSION_LEASE_S
 from sglang.srt.ray.rdt.errors import WeightSyncSessionError
 from sglang.srt.ray.rdt.ranks import call_ranks_async
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LEASE_S = 300.0
-DEFAULT_DRAIN_TIMEOUT_S = 120.0
 
 
 class WeightSyncSession:
@@ -76,8 +75,8 @@ class WeightSyncSession:
     # ------------------------------------------------------------------ #
     async def begin(
         self,
-        lease_s: float = DEFAULT_LEASE_S,
-        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        lease_s: float = SESSION_LEASE_S,
+        drain_timeout_s: float = SESSION_DRAIN_TIMEOUT_S,
     ) -> Dict[str, Any]:
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
 

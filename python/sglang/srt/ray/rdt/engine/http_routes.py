@@ -14,8 +14,8 @@ these add:
                               updates, and every rank's own status
 
 ``/weight_sync/*`` is the same lifecycle with a drain and a lease
-(:mod:`sglang.srt.ray.rdt.session`); the update state itself lives in each
-rank (:mod:`sglang.srt.ray.rdt.update_state`), and the engine-wide figures
+(:mod:`sglang.srt.ray.rdt.engine.session`); the update state itself lives in each
+rank (:mod:`sglang.srt.ray.rdt.engine.update_state`), and the engine-wide figures
 below are derived from the ranks, never stored here.
 """
 
@@ -29,7 +29,7 @@ from fastapi.responses import ORJSONResponse
 
 from sglang.srt.ray.rdt.errors import WeightSyncSessionError
 from sglang.srt.ray.rdt.ranks import call_ranks_async
-from sglang.srt.ray.rdt.session import WeightSyncSession
+from sglang.srt.ray.rdt.engine.session import WeightSyncSession
 from sglang.srt.utils.auth import AuthLevel, auth_level
 
 STATUS_RANK_TIMEOUT_S = 10.0

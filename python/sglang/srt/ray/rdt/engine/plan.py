@@ -12,7 +12,7 @@ ref here first is what keeps a rejected update from touching any weight.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Sequence, Tuple, Union
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -164,3 +164,48 @@ def unique_storages(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
             seen.add(key)
             out.append(t)
     return out
+
+
+# Pull plans kept (one per bucket layout a trainer sends; miles sends the same
+# few every update).
+MAX_CACHED_PLANS = 256
+
+
+class CachedPlan:
+    """The targets :func:`plan_pull` chose for one layout, and what each
+    target parameter was when planned: object, address, shape, dtype, strides."""
+
+    __slots__ = ("targets", "_checks")
+
+    def __init__(self, targets: List[List[torch.Tensor]], params: Sequence[torch.Tensor]):
+        self.targets = targets
+        self._checks = [(p, p.data_ptr(), p.shape, p.dtype, p.stride()) for p in params]
+
+    def still_live(self) -> bool:
+        """Every target parameter still has the storage and layout it was
+        planned with (``param.data = new`` or a re-allocation changes the
+        address: the old storage cannot be handed out again while the plan
+        holds a view of it; a re-view of the same storage changes shape,
+        dtype or strides)."""
+        for p, ptr, shape, dtype, stride in self._checks:
+            if p.data_ptr() != ptr or p.shape != shape or p.dtype != dtype or p.stride() != stride:
+                return False
+        return True
+
+
+def check_in_place(results, targets, names) -> Optional[str]:
+    """None when every fetched tensor *is* its target, else what went wrong."""
+    for ref_idx, (got, want, ns) in enumerate(zip(results, targets, names)):
+        got = list(got) if isinstance(got, (list, tuple)) else [got]
+        if len(got) != len(want):
+            return f"ref {ref_idx} returned {len(got)} tensors for {len(want)} targets"
+        for g, w, n in zip(got, want, ns):
+            if not isinstance(g, torch.Tensor) or g.data_ptr() != w.data_ptr():
+                # Ray fetched into a buffer of its own: the model did not change
+                # (or changed only partly if other tensors did land).
+                return (
+                    f"{n!r} was fetched into a new buffer instead of the live "
+                    "parameter (target dropped by Ray?); the model was not updated "
+                    "in place"
+                )
+    return None

@@ -23,7 +23,7 @@ Everything is off until :func:`configure` is called with ``enabled=True``;
 until then the ``record_*`` functions return at once, so they can be called
 unconditionally::
 
-    from sglang.srt.ray.rdt import metrics as rdt_metrics
+    from sglang.srt.ray.rdt.engine import metrics as rdt_metrics
 
     rdt_metrics.configure(server_args.enable_metrics, {"dp_rank": 0, "tp_rank": 1})
     stats = receiver.pull(refs, names)
@@ -37,7 +37,7 @@ before any byte moved: bad names/shapes/dtypes, not quiesced),
 parameters in the same update), ``"transfer"`` (a transfer broke mid-way:
 weights inconsistent), ``"finalize"``, ``"abort"``, ``"other"``.
 
-The rank's :class:`~sglang.srt.ray.rdt.update_state.RankUpdateState` is the
+The rank's :class:`~sglang.srt.ray.rdt.engine.update_state.RankUpdateState` is the
 only caller: it records what it owns (pulls, updates, failures) here.
 """
 

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from sglang.srt.ray.rdt import metrics as rdt_metrics
+from sglang.srt.ray.rdt.engine import metrics as rdt_metrics
 from sglang.srt.ray.rdt.errors import WeightUpdateConflictError
 
 logger = logging.getLogger(__name__)

@@ -29,19 +29,16 @@ trainer process can load it on its own.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
 import logging
-import os
-import sys
 import threading
 import types
 from typing import Iterator, Optional
 
+from sglang.srt.ray.rdt.transport import compat
+
 logger = logging.getLogger(__name__)
 
 DELAY_ENV = "SGLANG_RDT_NIXL_PROGRESS_DELAY_US"
-DEFAULT_DELAY_US = 1000
 
 _lock = threading.RLock()
 _delay_us: Optional[int] = None  # what new agents get; None: NIXL's default
@@ -51,22 +48,12 @@ _agent_delay_us: Optional[int] = None  # the delay the agent was made with
 
 def progress_delay_us() -> int:
     """The delay asked for by the environment (microseconds, 0 = NIXL's)."""
-    raw = os.environ.get(DELAY_ENV, "").strip()
-    if not raw:
-        return DEFAULT_DELAY_US
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{DELAY_ENV} must be an integer number of microseconds, got {raw!r}")
+    from sglang.srt.environ import envs
+
+    value = envs.SGLANG_RDT_NIXL_PROGRESS_DELAY_US.get()
     if value < 0:
         raise ValueError(f"{DELAY_ENV} must be >= 0, got {value}")
     return value
-
-
-def _nixl_api_module():
-    from nixl._api import nixl_agent
-
-    return sys.modules[nixl_agent.__module__]
 
 
 @contextlib.contextmanager
@@ -74,7 +61,7 @@ def _agent_config_delay(delay_us: int) -> Iterator[None]:
     """While active, NIXL agents built by nixl's ``nixl_agent`` get
     ``pthrDelay = delay_us`` (nixl's constructor sets 0 on a config object it
     builds itself; it is given one whose ``pthrDelay`` has a floor)."""
-    api = _nixl_api_module()
+    api = compat.nixl_api_module()
     bind = api.nixlBind
     base = bind.nixlAgentConfig
     if "pthrDelay" not in dir(base):
@@ -99,13 +86,13 @@ def _agent_config_delay(delay_us: int) -> Iterator[None]:
             api.nixlBind = bind
 
 
+_warned_existing = False
+
+
 def agent_created() -> bool:
     """Whether this process's Ray NIXL agent exists already (without creating
     Ray's NIXL transport manager when there is none)."""
-    from ray.experimental.rdt import util
-
-    manager = getattr(util, "transport_managers", {}).get("NIXL")
-    return manager is not None and getattr(manager, "_nixl_agent", None) is not None
+    return compat.ray_nixl_agent_exists()
 
 
 def configure_nixl_progress_thread(delay_us: Optional[int] = None) -> Optional[int]:
@@ -120,34 +107,35 @@ def configure_nixl_progress_thread(delay_us: Optional[int] = None) -> Optional[i
     delay = progress_delay_us() if delay_us is None else int(delay_us)
     if delay < 0:
         raise ValueError(f"delay_us must be >= 0, got {delay}")
-    try:
-        from ray.experimental.rdt import nixl_tensor_transport
-    except ImportError:  # Ray without RDT: nothing creates agents
+    if compat.ray_nixl_transport_class() is None:  # Ray without RDT: nothing creates agents
         return None
-    transport = nixl_tensor_transport.NixlTensorTransport
     with _lock:
         _delay_us = delay or None
         if not _installed:
-            original = getattr(transport, "_make_nixl_agent", None)
-            if original is None:
+
+            def wrap(original):
+                def _make_nixl_agent(self, backend):
+                    global _agent_delay_us
+                    delay_now = _delay_us
+                    if delay_now is None:
+                        return original(self, backend)
+                    with _agent_config_delay(delay_now):
+                        agent = original(self, backend)
+                    _agent_delay_us = delay_now
+                    return agent
+
+                return _make_nixl_agent
+
+            if not compat.wrap_ray_nixl_agent_factory(wrap):
                 logger.warning("[RDT] this Ray builds NIXL agents without _make_nixl_agent; "
                                "the progress-thread delay is not applied")
                 return None
-
-            def _make_nixl_agent(self, backend):
-                global _agent_delay_us
-                delay_now = _delay_us
-                if delay_now is None:
-                    return original(self, backend)
-                with _agent_config_delay(delay_now):
-                    agent = original(self, backend)
-                _agent_delay_us = delay_now
-                return agent
-
-            _make_nixl_agent.__wrapped__ = original  # type: ignore[attr-defined]
-            transport._make_nixl_agent = _make_nixl_agent
             _installed = True
-    if _delay_us is not None and agent_created():
+    global _warned_existing
+    if (_delay_us is not None and _agent_delay_us is None and not _warned_existing
+            and agent_created()):
+        # Said once: callers on hot paths (every transport lookup) land here too.
+        _warned_existing = True
         logger.warning("[RDT] the NIXL agent of this process exists already; its progress thread "
                        "keeps polling without a delay (call configure_nixl_progress_thread earlier)")
     return _delay_us
@@ -162,27 +150,6 @@ def describe() -> str:
     return "busy-polls (NIXL default)"
 
 
-_RAY_NIXL_MODULE = "ray.experimental.rdt.nixl_tensor_transport"
-
-
-class _ConfigureAfterLoad(importlib.abc.MetaPathFinder):
-    """Runs :func:`configure_nixl_progress_thread` right after Ray's NIXL
-    transport module is executed (it is loaded by ``import ray``)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _RAY_NIXL_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader_exec = spec.loader.exec_module
-
-        def exec_module(module):
-            loader_exec(module)
-            _configure_quietly()
-
-        spec.loader.exec_module = exec_module
-        return spec
 
 
 def _configure_quietly() -> None:
@@ -194,8 +161,7 @@ def _configure_quietly() -> None:
 
 def configure_on_ray_import() -> None:
     """Apply :func:`configure_nixl_progress_thread` in this process now if
-    Ray is loaded, else as soon as it is (cheap; imports nothing)."""
-    if _RAY_NIXL_MODULE in sys.modules:
-        _configure_quietly()
-    elif not any(isinstance(f, _ConfigureAfterLoad) for f in sys.meta_path):
-        sys.meta_path.insert(0, _ConfigureAfterLoad())
+    Ray's NIXL transport is loaded, else as soon as it is (cheap; imports nothing)."""
+    from sglang._import_hooks import call_after_import
+
+    call_after_import(compat.RAY_NIXL_MODULE, _configure_quietly)

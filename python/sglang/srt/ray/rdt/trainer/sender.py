@@ -99,7 +99,9 @@ class BucketSender:
             else:
                 # Before this process's NIXL agent exists: its progress thread
                 # must not spin a core for good.
-                _import_light("sglang.srt.ray.rdt.nixl_progress").configure_nixl_progress_thread()
+                from sglang.srt.ray.rdt.transport.nixl_progress import configure_nixl_progress_thread
+
+                configure_nixl_progress_thread()
         self._slots: List[Optional[torch.Tensor]] = [None] * num_slots
         self._in_flight: List[Optional[str]] = [None] * num_slots
         self._closed = False
@@ -292,36 +294,9 @@ class BucketSender:
 
 
 def _import_ipc_transport():
-    return _import_light("sglang.srt.ray.rdt.cuda_ipc_transport")
+    from sglang.srt.ray.rdt.transport import sglang_ipc
 
-
-def _import_light(name: str):
-    """Import the sglang module ``name`` without sglang's package ``__init__``
-    when this process has not imported sglang (the sender actor: sglang's
-    top-level import costs seconds, and the transport modules need only torch
-    and ray). The module keeps its real name: the metadata classes it defines
-    are unpickled by that name on the ranks."""
-    import importlib
-    import importlib.util
-    import os
-    import sys
-    import types
-
-    if name in sys.modules or "sglang" in sys.modules:
-        return importlib.import_module(name)
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        return importlib.import_module(name)
-    root = list(spec.submodule_search_locations)[0]
-    parent = None
-    for pkg, sub in (("sglang", ""), ("sglang.srt", "srt"), ("sglang.srt.ray", os.path.join("srt", "ray"))):
-        m = types.ModuleType(pkg)
-        m.__path__ = [os.path.join(root, sub)]
-        sys.modules[pkg] = m
-        if parent is not None:
-            setattr(parent, pkg.rsplit(".", 1)[1], m)
-        parent = m
-    return importlib.import_module(name)
+    return sglang_ipc
 
 
 _ACTOR_CLASS = None

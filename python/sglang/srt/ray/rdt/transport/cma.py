@@ -3,7 +3,7 @@
 ``process_vm_readv(2)`` copies from another process's address space into ours
 in one kernel pass: no shared buffer, no staging copy, no network stack. It is
 the CPU half of the same-node fast path of RDT weight sync
-(:mod:`sglang.srt.ray.rdt.cuda_ipc_transport`, transport ``SGLANG_IPC``): the
+(:mod:`sglang.srt.ray.rdt.transport.sglang_ipc`, transport ``SGLANG_IPC``): the
 sender puts its tensors' addresses in the ref, a receiver on the same host
 reads them into the ``set_target_for_ref`` targets with a few threads.
 
@@ -22,6 +22,7 @@ import ctypes
 import errno as errno_mod
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence, Tuple
 
@@ -109,7 +110,9 @@ class CmaReader:
 
     def __init__(self, threads: Optional[int] = None):
         if threads is None:
-            threads = int(os.environ.get("SGLANG_RDT_CMA_THREADS", "0")) or min(4, os.cpu_count() or 1)
+            from sglang.srt.environ import envs
+
+            threads = envs.SGLANG_RDT_CMA_THREADS.get() or min(4, os.cpu_count() or 1)
         self.threads = max(1, threads)
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
@@ -175,3 +178,100 @@ def _read_all(pid: int, copies: Sequence[Copy]) -> int:
         batch[i][2] -= left
         del pending[:i]
     return done
+
+
+class CmaPath:
+    """The CPU path of ``SGLANG_IPC``: the sender puts its tensors' addresses
+    (:meth:`export`), a receiver on the same Ray node reads them into its
+    targets (:meth:`receive`). A read the kernel refuses is detected with a
+    one-byte probe before anything is written, remembered per sender, and
+    served by NIXL instead (``SGLANG_RDT_CMA=0`` turns the path off)."""
+
+    def __init__(self, token: str):
+        self.token = token
+        self._reader: Optional[CmaReader] = None
+        self._lock = threading.Lock()
+        self._denied: dict = {}  # sender pid -> why reading is refused
+
+    # -- sender ------------------------------------------------------------ #
+    def export(self, tensors, node_id: str):
+        """A :class:`~.metadata.CmaPart` for ``tensors``, or None when /proc is unreadable."""
+        from sglang.srt.ray.rdt.transport.metadata import CmaPart
+
+        start = process_start_time(os.getpid())
+        if start is None:
+            return None
+        return CmaPart(
+            node_id=node_id, sender=self.token, pid=os.getpid(), start_time=start,
+            tensors=[(t.data_ptr(), t.numel() * t.element_size()) for t in tensors],
+        )
+
+    # -- receiver ---------------------------------------------------------- #
+    def unusable(self, meta, targets, node_id: str) -> Optional[str]:
+        """None when this process can read ``meta.cma``, else why not."""
+        cma = meta.cma
+        from sglang.srt.environ import envs
+
+        if not envs.SGLANG_RDT_CMA.get():
+            return "SGLANG_RDT_CMA=0"
+        if targets and any(t.device.type != "cpu" for t in targets):
+            return f"target buffers on {sorted({str(t.device) for t in targets})}"
+        if node_id != cma.node_id:
+            return "the sender is on another node"
+        if process_start_time(cma.pid) != cma.start_time:
+            return (
+                f"the sender process {cma.pid} is not visible from here (another PID "
+                "namespace?) or has exited"
+            )
+        return self._denied.get(cma.pid)
+
+    def reader(self) -> CmaReader:
+        with self._lock:
+            if self._reader is None:
+                self._reader = CmaReader()
+            return self._reader
+
+    def receive(self, meta, targets, info):
+        import torch
+
+        from sglang.srt.ray.rdt.transport.copy_plan import plan_copies
+        from sglang.srt.ray.rdt.transport.metadata import MappingFailed
+
+        cma = meta.cma
+        if targets:
+            tensors = list(targets)
+        else:
+            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in meta.tensor_meta]
+        if len(tensors) != len(cma.tensors):
+            raise ValueError(
+                f"Length of tensor_buffers ({len(tensors)}) does not match length from "
+                f"object metadata ({len(cma.tensors)})."
+            )
+        for i, (t, (_, nbytes)) in enumerate(zip(tensors, cma.tensors)):
+            if t.nbytes != nbytes or not t.is_contiguous():
+                raise ValueError(f"target buffer {i} is not a contiguous buffer of {nbytes} bytes")
+        reader = self.reader()
+        copies = plan_copies([(t.data_ptr(), a, n) for t, (a, n) in zip(tensors, cma.tensors)])
+        info.tensors, info.bytes = len(tensors), sum(n for _, n in cma.tensors)
+        info.copies, info.streams, info.method = len(copies), reader.threads, "process_vm_readv"
+        if not copies:
+            return tensors
+        why = reader.probe(cma.pid, copies[0][1])
+        if why is not None:
+            # Nothing was written; remember it for this sender and use NIXL.
+            self._denied[cma.pid] = why
+            raise MappingFailed(why)
+        t1 = time.perf_counter()
+        try:
+            reader.read(cma.pid, copies)
+        except CmaError as e:
+            raise RuntimeError(
+                f"SGLANG_IPC CPU read from sender pid {cma.pid} broke mid-way: {e}"
+            ) from e
+        if process_start_time(cma.pid) != cma.start_time:
+            raise RuntimeError(
+                f"SGLANG_IPC: the sender process {cma.pid} exited during the read; "
+                "the bytes read cannot be trusted"
+            )
+        info.copy_seconds = time.perf_counter() - t1
+        return tensors

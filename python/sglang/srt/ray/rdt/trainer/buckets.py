@@ -1,6 +1,6 @@
 """What a weight update sends, and in which bucket: pure planning for the trainer side.
 
-Nothing here talks to Ray or NIXL. :class:`~sglang.srt.ray.rdt.client.WeightSyncClient`
+Nothing here talks to Ray or NIXL. :class:`~sglang.srt.ray.rdt.trainer.client.WeightSyncClient`
 uses these functions to
 
 1. check every tensor the trainer gives against each rank's live parameters

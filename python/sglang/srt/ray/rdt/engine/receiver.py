@@ -8,7 +8,7 @@ A pull:
 
 1. reads the tensor metadata (shape, dtype) of every ref without fetching;
 2. checks every name, shape, dtype and contiguity against the live parameters
-   (:func:`sglang.srt.ray.rdt.plan.plan_pull`) — a rejected pull moves no byte;
+   (:func:`sglang.srt.ray.rdt.engine.plan.plan_pull`) — a rejected pull moves no byte;
 3. points ``ray.experimental.set_target_for_ref`` at the parameters' storage and
    keeps the target lists alive until ``ray.get`` returns (Ray holds only weak
    references: if the targets die, Ray silently allocates fresh tensors and the
@@ -16,7 +16,7 @@ A pull:
 4. fetches all refs with one bounded ``ray.get`` and checks that every returned
    tensor *is* its target (same data pointer) — otherwise the pull fails loudly.
 
-Before step 3 the rank's :class:`~sglang.srt.ray.rdt.update_state.RankUpdateState`
+Before step 3 the rank's :class:`~sglang.srt.ray.rdt.engine.update_state.RankUpdateState`
 admits the pull (no parameter may be written by two writers in one update);
 after step 4 it records what landed and who wrote it. A failure in step 4 can
 leave some parameters written and others not; the state then reports the
@@ -32,238 +32,34 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from sglang.srt.ray.rdt.nixl_progress import configure_nixl_progress_thread
+from sglang.srt.ray.rdt import gc_pause
+from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S
+from sglang.srt.ray.rdt.engine.nixl_traps import NixlTrapWarnings
+from sglang.srt.ray.rdt.engine.refs import (
+    fetch_same_node,
+    ref_tensor_specs,
+    ref_writer,
+    transport_used,
+)
+from sglang.srt.ray.rdt.engine.registration import (
+    RegistrationBook,
+    close_cached_mappings,
+    warn_if_expandable_segments,
+)
+from sglang.srt.ray.rdt.engine.update_state import RankUpdateState
 from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
-from sglang.srt.ray.rdt.update_state import RankUpdateState, Writer
-from sglang.srt.ray.rdt.plan import (
-    TensorSpec,
+from sglang.srt.ray.rdt.transport.nixl_progress import configure_nixl_progress_thread
+from sglang.srt.ray.rdt.engine.plan import (
+    MAX_CACHED_PLANS,
+    CachedPlan,
+    check_in_place,
     group_names,
     plan_pull,
-    storage_key,
-    unique_storages,
 )
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PULL_TIMEOUT_S = 60.0
-# NIXL, and the same-node CUDA IPC transport (which falls back to NIXL itself).
-PULLABLE_TRANSPORTS = ("NIXL", "SGLANG_IPC")
-
-
-def transport_used(ref) -> str:
-    """Which path a finished fetch of ``ref`` took: nixl | cuda_ipc | ..."""
-    meta = _rdt_manager().get_rdt_metadata(ref.hex())
-    backend = (meta.tensor_transport_backend if meta else "nixl").upper()
-    if backend == "SGLANG_IPC":
-        from sglang.srt.ray.rdt import cuda_ipc_transport
-
-        info = cuda_ipc_transport.fetch_info(ref)
-        if info is not None:
-            return info.path if not info.reason else f"{info.path} ({info.reason})"
-    return backend.lower()
-
-
-def _rdt_manager():
-    import ray
-
-    return ray._private.worker.global_worker.rdt_manager
-
-
-def ref_writer(ref) -> Writer:
-    """Who put ``ref``: its RDT source actor, or the driver process that put it.
-
-    Taken from Ray's own record of the object (the caller cannot omit or
-    choose it), so two trainer processes are always two writers.
-    """
-    meta = _rdt_manager().get_rdt_metadata(ref.hex())
-    src = getattr(meta, "src_actor", None)
-    actor_id = getattr(src, "_actor_id", None)
-    if actor_id is not None:
-        name = getattr(getattr(src, "_ray_actor_creation_function_descriptor", None),
-                       "class_name", None)
-        label = f"actor {name or 'Actor'}({actor_id.hex()[:12]})"
-        return Writer(f"actor:{actor_id.hex()}", label)
-    from ray.core.generated.common_pb2 import Address
-
-    owner = Address()
-    owner.ParseFromString(ref.owner_address())
-    worker = owner.worker_id.hex()
-    return Writer(f"worker:{worker}", f"driver worker {worker[:12]} at {owner.ip_address}")
-
-
-def ref_tensor_specs(ref, timeout_s: float) -> List[TensorSpec]:
-    """Shapes and dtypes of an RDT ref's tensors, without fetching them."""
-    import ray
-
-    if not isinstance(ref, ray.ObjectRef):
-        raise WeightSyncError(
-            f"expected a ray.ObjectRef, got {type(ref).__name__}; put the tensors with "
-            "ray.put(tensors, _tensor_transport='nixl') and pass the ref nested in a "
-            "list (pull_weights.remote([ref], names)) so Ray does not resolve it"
-        )
-    manager = _rdt_manager()
-    meta = manager.get_rdt_metadata(ref.hex())
-    if meta is None:
-        raise WeightSyncError(
-            f"{ref} is not an RDT object: put it with "
-            "ray.put(tensors, _tensor_transport='nixl')"
-        )
-    if meta.tensor_transport_backend.upper() not in PULLABLE_TRANSPORTS:
-        raise WeightSyncError(
-            f"{ref} uses tensor transport {meta.tensor_transport_backend!r}; "
-            "pull_weights needs 'nixl' (or 'SGLANG_IPC', the same-node CUDA IPC "
-            "fast path of sglang.srt.ray.rdt.cuda_ipc_transport)"
-        )
-    transport_meta = meta.tensor_transport_meta
-    if transport_meta is None:
-        transport_meta = manager.wait_for_tensor_transport_metadata(ref.hex(), timeout_s)
-        if transport_meta is None:
-            raise WeightSyncError(
-                f"{ref}: the sender did not create the object within {timeout_s:.0f} s"
-            )
-    return [TensorSpec.of(entry) for entry in transport_meta.tensor_meta]
-
-
-_EXPANDABLE_CHECKED = False
-
-
-def expandable_segment_tensors(tensors, snapshot=None) -> List[torch.Tensor]:
-    """The CUDA tensors that live in expandable (VMM) segments.
-
-    VMM memory cannot be exported through legacy CUDA IPC, and UCX then falls
-    back to TCP (~0.3 GB/s) without an error.
-    """
-    cuda = [t for t in tensors if t.is_cuda]
-    if not cuda:
-        return []
-    if snapshot is None:
-        snapshot = torch.cuda.memory_snapshot()
-    spans = [
-        (seg["address"], seg["address"] + seg["total_size"])
-        for seg in snapshot
-        if seg.get("is_expandable")
-    ]
-    if not spans:
-        return []
-    return [t for t in cuda if any(lo <= t.data_ptr() < hi for lo, hi in spans)]
-
-
-def warn_if_expandable_segments(tensors, snapshot=None, *, once: bool = True) -> bool:
-    """Warn (once per process) if any CUDA tensor lives in an expandable segment."""
-    global _EXPANDABLE_CHECKED
-    if once and _EXPANDABLE_CHECKED:
-        return False
-    if any(t.is_cuda for t in tensors):
-        _EXPANDABLE_CHECKED = True  # the allocator snapshot is not free: look once
-    try:
-        hits = expandable_segment_tensors(tensors, snapshot)
-    except Exception:  # the allocator cannot tell; nothing to warn about
-        return False
-    if hits:
-        logger.warning(
-            "[RDT] %d of %d tensors live in CUDA expandable segments "
-            "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): NIXL/UCX cannot "
-            "export them over CUDA IPC and silently falls back to TCP (~0.3 GB/s). "
-            "Unset expandable_segments for the rollout engine and the trainer's "
-            "weight buckets.",
-            len(hits), len(tensors),
-        )
-        return True
-    return False
-
-
-def close_cached_mappings(keep_persistent: bool = False, sender: Optional[str] = None) -> int:
-    """Close cached CUDA IPC mappings of trainer memory: all, all but those of
-    persistent sender buffers, or those of one ``sender``."""
-    import sys
-
-    mod = sys.modules.get("sglang.srt.ray.rdt.cuda_ipc_transport")
-    if mod is None:
-        return 0
-    if sender is not None:
-        return mod.release_sender_mappings(sender)
-    return mod.close_ipc_mappings(keep_persistent=keep_persistent)
-
-
-class RegistrationBook:
-    """NIXL registrations of parameter storage, keyed by (device, address, size).
-
-    NIXL keys registrations by address: a stale one (memory freed, re-used or
-    grown) gives NIXL_ERR_NOT_FOUND or, worse, lets a transfer write into
-    memory that now belongs to something else. ``sync`` drops entries whose
-    storage is gone or changed and registers the current ones; ``release_all``
-    drops everything (before weights are released, e.g. by the memory saver).
-    """
-
-    def __init__(self, register=None, deregister=None):
-        if register is None or deregister is None:
-            from ray.experimental import deregister_nixl_memory, register_nixl_memory
-
-            register, deregister = register_nixl_memory, deregister_nixl_memory
-        self._register, self._deregister = register, deregister
-        self._entries: Dict[tuple, torch.Tensor] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k[2] for k in self._entries)
-
-    def covers(self, t: torch.Tensor) -> bool:
-        return storage_key(t) in self._entries
-
-    def sync(self, tensors: Sequence[torch.Tensor]) -> Dict[str, int]:
-        """Make the registrations exactly the storages of ``tensors``."""
-        current = {storage_key(t): t for t in unique_storages(tensors)}
-        dropped = 0
-        for key in [k for k in self._entries if k not in current]:
-            self._deregister(self._entries.pop(key))
-            dropped += 1
-        added = 0
-        for key, t in current.items():
-            if key not in self._entries:
-                self._register(t)
-                self._entries[key] = t
-                added += 1
-        return {"added": added, "dropped": dropped}
-
-    def release_all(self) -> int:
-        n = 0
-        for k, t in list(self._entries.items()):
-            try:
-                self._deregister(t)
-            finally:
-                del self._entries[k]
-                n += 1
-        return n
-
-
-# Pull plans kept (one per bucket layout a trainer sends; miles sends the same
-# few every update).
-MAX_CACHED_PLANS = 256
-
-
-class _Plan:
-    """The targets :func:`plan_pull` chose for one layout, and what each
-    target parameter was when planned: object, address, shape, dtype, strides."""
-
-    __slots__ = ("targets", "_checks")
-
-    def __init__(self, targets: List[List[torch.Tensor]], params: Sequence[torch.Tensor]):
-        self.targets = targets
-        self._checks = [(p, p.data_ptr(), p.shape, p.dtype, p.stride()) for p in params]
-
-    def still_live(self) -> bool:
-        """Every target parameter still has the storage and layout it was
-        planned with (``param.data = new`` or a re-allocation changes the
-        address: the old storage cannot be handed out again while the plan
-        holds a view of it; a re-view of the same storage changes shape,
-        dtype or strides)."""
-        for p, ptr, shape, dtype, stride in self._checks:
-            if p.data_ptr() != ptr or p.shape != shape or p.dtype != dtype or p.stride() != stride:
-                return False
-        return True
+GC_HOLDER = "rank weight update"
 
 
 class RdtWeightReceiver:
@@ -274,7 +70,7 @@ class RdtWeightReceiver:
         get_params: Callable[[], Mapping[str, torch.Tensor]],
         *,
         device: Optional[torch.device] = None,
-        pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
+        pull_timeout_s: float = PULL_TIMEOUT_S,
         registration_disabled_reason: Optional[str] = None,
         registrations: Optional[RegistrationBook] = None,
         state: Optional[RankUpdateState] = None,
@@ -284,6 +80,7 @@ class RdtWeightReceiver:
         configure_nixl_progress_thread()
         self._get_params = get_params
         self._device = device
+        self._nixl_traps = NixlTrapWarnings(device)  # writers told about a slow NIXL path
         self.pull_timeout_s = pull_timeout_s
         self._registration_disabled_reason = registration_disabled_reason
         self._registrations = registrations
@@ -296,7 +93,7 @@ class RdtWeightReceiver:
         # pull plans made against them (see _plan: when they are trusted,
         # checked again, or dropped).
         self._params: Optional[Mapping[str, torch.Tensor]] = None
-        self._plans: Dict[tuple, "_Plan"] = {}
+        self._plans: Dict[tuple, CachedPlan] = {}
         self._params_stale = False  # walk again, but plans may survive
         # What updates wrote, consistency and counters (the rank's one owner).
         self.state = state or RankUpdateState(param_names=lambda: list(get_params()))
@@ -380,8 +177,9 @@ class RdtWeightReceiver:
         with self._lock:
             self._closed = True
         close_cached_mappings()
+        gc_pause.resume(GC_HOLDER)
 
-    def end_of_update(self) -> None:
+    def end_of_update(self, resume_gc: bool = True) -> None:
         """An update is over: the trainer may now free or re-use what it put,
         so no cached mapping of its memory may be read from again — except
         buffers their sender declared persistent (``WeightSyncClient``'s
@@ -390,10 +188,21 @@ class RdtWeightReceiver:
         The update's post-load processing (which ran just before) may have
         moved or replaced parameters: the next pull walks the model again and
         keeps the pull plans only if every parameter is still the same object
-        (each plan also checks its targets' storage on every use)."""
+        (each plan also checks its targets' storage on every use).
+
+        ``resume_gc=False`` (a rank that stays paused for the next update)
+        keeps automatic garbage collection off until :meth:`release_gc`
+        (see :mod:`sglang.srt.ray.rdt.gc_pause`)."""
         with self._lock:
             self._params_stale = True
         close_cached_mappings(keep_persistent=True)
+        if resume_gc or gc_pause.held_for(GC_HOLDER) > gc_pause.MAX_HOLD_S:
+            gc_pause.resume(GC_HOLDER)  # the collector runs again outside updates
+
+    @staticmethod
+    def release_gc() -> None:
+        """Generation continues: the collector may run again."""
+        gc_pause.resume(GC_HOLDER)
 
     def _forget_params(self) -> None:
         """Walk the model again at the next pull and plan every layout anew."""
@@ -459,6 +268,9 @@ class RdtWeightReceiver:
                     "before pulling"
                 )
             self._bind_device()
+            # No full collection (75-107 ms) inside the update: off from its
+            # first pull until end_of_update (gc_pause).
+            gc_pause.pause(GC_HOLDER)
             clock = time.perf_counter
             t0 = mark = clock()
             stages: Dict[str, float] = {}
@@ -481,6 +293,7 @@ class RdtWeightReceiver:
             nbytes = sum(t.numel() * t.element_size() for ts in targets for t in ts)
             ntensors = sum(len(ts) for ts in targets)
             writes = [(ns, ref_writer(r)) for ns, r in zip(names, refs)]
+            self._nixl_traps.before_pull(refs, writes)
             self.state.admit(writes)  # no parameter written by two writers
             lap("admit")
             t_plan = time.perf_counter() - t0
@@ -488,14 +301,26 @@ class RdtWeightReceiver:
 
             from ray.experimental import set_target_for_ref
 
-            # `targets` stays referenced here until ray.get returns: Ray's own
-            # references to it are weak.
-            for ref, ts in zip(refs, targets):
-                set_target_for_ref(ref, ts)
-            lap("set_target")
             t1 = time.perf_counter()
             try:
-                results = ray.get(refs, timeout=timeout_s)
+                # Same-node refs are read straight into their targets; the
+                # rest through Ray's fetch (ray.get), whose references to the
+                # targets are weak: `targets` stays referenced here until it
+                # returns.
+                results: List[Any] = [None] * len(refs)
+                rest = []
+                for i, (ref, ts) in enumerate(zip(refs, targets)):
+                    got = fetch_same_node(ref, ts)
+                    if got is None:
+                        rest.append(i)
+                        set_target_for_ref(ref, ts)
+                    else:
+                        results[i] = got
+                lap("direct")
+                if rest:
+                    fetched = ray.get([refs[i] for i in rest], timeout=timeout_s)
+                    for i, got in zip(rest, fetched):
+                        results[i] = got
             except BaseException as e:
                 reason = (
                     f"a pull of {ntensors} tensors failed mid-transfer after "
@@ -504,6 +329,12 @@ class RdtWeightReceiver:
                 )
                 self.state.transfer_failed(all_names, reason)
                 self._forget_params()
+                # The collector runs again from here: the failed transfer's
+                # objects (Ray/NIXL transfer handles held by the exception's
+                # traceback cycles) must be freed as usual. Held until the
+                # update ended, their release crashed the rank in
+                # nixlAgent::releaseXferReq (2 of 2 runs; 0 of 2 without).
+                gc_pause.resume(GC_HOLDER)
                 logger.error("[RDT] %s: %s", reason, e)
                 raise WeightsInconsistentError(
                     f"{reason}. The engine reports its weights as inconsistent until a "
@@ -512,7 +343,9 @@ class RdtWeightReceiver:
             t_fetch = time.perf_counter() - t1
             lap("transfer")
             transports = sorted({transport_used(r) for r in refs})
-            problem = self._check_in_place(results, targets, names)
+            if "nixl" in transports:
+                self._nixl_traps.after_pull(nbytes, t_fetch, writes)
+            problem = check_in_place(results, targets, names)
             del results
             if problem is not None:
                 self.state.transfer_failed(all_names, problem)
@@ -533,6 +366,8 @@ class RdtWeightReceiver:
             "transport": ",".join(transports),
             "registered": self.registered,
             "plan_reused": reused,
+            # refs read straight over the same-node path (no ray.get)
+            "direct_refs": len(refs) - len(rest),
             # Where the call's time went (seconds per stage), and when the
             # pull began and ended on this host's monotonic clock
             # (time.perf_counter: comparable across processes of one host).
@@ -588,7 +423,7 @@ class RdtWeightReceiver:
         targets = plan_pull(specs, names, self._params)
         if len(self._plans) >= MAX_CACHED_PLANS:
             self._plans.clear()
-        self._plans[key] = _Plan(
+        self._plans[key] = CachedPlan(
             targets, [self._params[n] for ns in names for n in ns]
         )
         return targets, walked, False
@@ -600,7 +435,7 @@ class RdtWeightReceiver:
         the last sync (post-load processing may have re-allocated any of
         them). Otherwise only this pull's targets need to be covered: a
         reused plan's targets did not move since they were covered
-        (``_Plan.still_live``; any change of the registrations drops the
+        (``CachedPlan.still_live``; any change of the registrations drops the
         plans), a new plan's are looked up in the registration book.
         """
         book = self._registrations
@@ -612,20 +447,3 @@ class RdtWeightReceiver:
             book.sync([p.data for p in params.values()])
             self._registered_layout = layout
 
-    @staticmethod
-    def _check_in_place(results, targets, names) -> Optional[str]:
-        """None when every fetched tensor *is* its target, else what went wrong."""
-        for ref_idx, (got, want, ns) in enumerate(zip(results, targets, names)):
-            got = list(got) if isinstance(got, (list, tuple)) else [got]
-            if len(got) != len(want):
-                return f"ref {ref_idx} returned {len(got)} tensors for {len(want)} targets"
-            for g, w, n in zip(got, want, ns):
-                if not isinstance(g, torch.Tensor) or g.data_ptr() != w.data_ptr():
-                    # Ray fetched into a buffer of its own: the model did not change
-                    # (or changed only partly if other tensors did land).
-                    return (
-                        f"{n!r} was fetched into a new buffer instead of the live "
-                        "parameter (target dropped by Ray?); the model was not updated "
-                        "in place"
-                    )
-        return None

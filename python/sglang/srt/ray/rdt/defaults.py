@@ -1,0 +1,39 @@
+"""Every default of RDT weight sync, in one place (engine and trainer sides).
+
+Light: imports nothing, so trainer-side and transport modules may use it.
+"""
+
+# Transports a rank pulls from (Ray's tensor-transport names, upper case):
+# NIXL, and the same-node fast path of transport/sglang_ipc.py.
+NIXL = "NIXL"
+SGLANG_IPC = "SGLANG_IPC"
+PULLABLE_TRANSPORTS = (NIXL, SGLANG_IPC)
+
+# A pull's transfer, on the rank (--rdt-pull-timeout's default).
+PULL_TIMEOUT_S = 60.0
+# How long a call waits for the scheduler loop to reach a safe point.
+SAFE_POINT_TIMEOUT_S = 120.0
+# How long a pull waits for a /pause_generation that is on its way to the scheduler.
+PAUSE_GRACE_S = 1.0
+
+# The engine aborts an update session not ended within this many seconds.
+SESSION_LEASE_S = 300.0
+# How long opening a session waits for in-flight requests to finish.
+SESSION_DRAIN_TIMEOUT_S = 120.0
+
+# Trainer side: bound on every call but pulls (register, layout, session).
+CALL_TIMEOUT_S = 120.0
+# A rank runs a pull at its next safe point (up to SAFE_POINT_TIMEOUT_S
+# away) and then bounds the transfer itself: the trainer waits that long more.
+PULL_WAIT_MARGIN_S = SAFE_POINT_TIMEOUT_S + 30.0
+# Bucket sizes. GPU: every bucket costs a few ms of fixed overhead (fill, put,
+# the rank's call); on 2xH200 1 GiB buckets ran 3x faster than 256 MiB ones
+# (docs/performance.md). The sender keeps NUM_SLOTS buffers of this size.
+CPU_BUCKET_BYTES = 256 << 20
+GPU_BUCKET_BYTES = 1 << 30
+NUM_SLOTS = 2
+
+
+def bucket_bytes_for(device: str) -> int:
+    """The default bucket size for buckets on ``device``."""
+    return GPU_BUCKET_BYTES if str(device).startswith("cuda") else CPU_BUCKET_BYTES

@@ -1,0 +1,135 @@
+"""Keeping a rank's parameters registered with NIXL, and the memory that cannot be.
+
+:class:`RegistrationBook` registers each parameter's storage once and
+re-registers only what moved (weights released and resumed, a model reload);
+memory from PyTorch's ``expandable_segments`` allocator cannot be exported by
+legacy CUDA IPC, which UCX needs for a GPU-to-GPU path: it is detected and
+named before a pull silently crawls over TCP.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from sglang.srt.ray.rdt.engine.plan import storage_key, unique_storages
+
+logger = logging.getLogger(__name__)
+
+
+_EXPANDABLE_CHECKED = False
+
+
+def expandable_segment_tensors(tensors, snapshot=None) -> List[torch.Tensor]:
+    """The CUDA tensors that live in expandable (VMM) segments.
+
+    VMM memory cannot be exported through legacy CUDA IPC, and UCX then falls
+    back to TCP (~0.3 GB/s) without an error.
+    """
+    cuda = [t for t in tensors if t.is_cuda]
+    if not cuda:
+        return []
+    if snapshot is None:
+        snapshot = torch.cuda.memory_snapshot()
+    spans = [
+        (seg["address"], seg["address"] + seg["total_size"])
+        for seg in snapshot
+        if seg.get("is_expandable")
+    ]
+    if not spans:
+        return []
+    return [t for t in cuda if any(lo <= t.data_ptr() < hi for lo, hi in spans)]
+
+
+def warn_if_expandable_segments(tensors, snapshot=None, *, once: bool = True) -> bool:
+    """Warn (once per process) if any CUDA tensor lives in an expandable segment."""
+    global _EXPANDABLE_CHECKED
+    if once and _EXPANDABLE_CHECKED:
+        return False
+    if any(t.is_cuda for t in tensors):
+        _EXPANDABLE_CHECKED = True  # the allocator snapshot is not free: look once
+    try:
+        hits = expandable_segment_tensors(tensors, snapshot)
+    except Exception:  # the allocator cannot tell; nothing to warn about
+        return False
+    if hits:
+        logger.warning(
+            "[RDT] %d of %d tensors live in CUDA expandable segments "
+            "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): NIXL/UCX cannot "
+            "export them over CUDA IPC and silently falls back to TCP (~0.3 GB/s). "
+            "Unset expandable_segments for the rollout engine and the trainer's "
+            "weight buckets.",
+            len(hits), len(tensors),
+        )
+        return True
+    return False
+
+
+def close_cached_mappings(keep_persistent: bool = False, sender: Optional[str] = None) -> int:
+    """Close cached CUDA IPC mappings of trainer memory: all, all but those of
+    persistent sender buffers, or those of one ``sender``."""
+    import sys
+
+    mod = sys.modules.get("sglang.srt.ray.rdt.transport.sglang_ipc")
+    if mod is None:
+        return 0
+    if sender is not None:
+        return mod.release_sender_mappings(sender)
+    return mod.close_ipc_mappings(keep_persistent=keep_persistent)
+
+
+class RegistrationBook:
+    """NIXL registrations of parameter storage, keyed by (device, address, size).
+
+    NIXL keys registrations by address: a stale one (memory freed, re-used or
+    grown) gives NIXL_ERR_NOT_FOUND or, worse, lets a transfer write into
+    memory that now belongs to something else. ``sync`` drops entries whose
+    storage is gone or changed and registers the current ones; ``release_all``
+    drops everything (before weights are released, e.g. by the memory saver).
+    """
+
+    def __init__(self, register=None, deregister=None):
+        if register is None or deregister is None:
+            from ray.experimental import deregister_nixl_memory, register_nixl_memory
+
+            register, deregister = register_nixl_memory, deregister_nixl_memory
+        self._register, self._deregister = register, deregister
+        self._entries: Dict[tuple, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k[2] for k in self._entries)
+
+    def covers(self, t: torch.Tensor) -> bool:
+        return storage_key(t) in self._entries
+
+    def sync(self, tensors: Sequence[torch.Tensor]) -> Dict[str, int]:
+        """Make the registrations exactly the storages of ``tensors``."""
+        current = {storage_key(t): t for t in unique_storages(tensors)}
+        dropped = 0
+        for key in [k for k in self._entries if k not in current]:
+            self._deregister(self._entries.pop(key))
+            dropped += 1
+        added = 0
+        for key, t in current.items():
+            if key not in self._entries:
+                self._register(t)
+                self._entries[key] = t
+                added += 1
+        return {"added": added, "dropped": dropped}
+
+    def release_all(self) -> int:
+        n = 0
+        for k, t in list(self._entries.items()):
+            try:
+                self._deregister(t)
+            finally:
+                del self._entries[k]
+                n += 1
+        return n
+

@@ -1,0 +1,96 @@
+"""What the rank core needs from a scheduler, and sglang's Scheduler behind it.
+
+:class:`RankWeightSync` (``rank_sync.py``) talks to a rank only through this
+small interface, so it runs the same code in a SchedulerActor and around a
+plain PyTorch model (the GPU benchmark's rank, test doubles). Every reach into
+sglang's scheduler internals lives in :class:`SglangSchedulerPort`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Protocol, Tuple
+
+import torch
+
+
+class SchedulerPort(Protocol):
+    def named_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]: ...
+
+    def session_open(self) -> bool:
+        """Whether a weight-update session (``begin_weight_update``) is open."""
+
+    def paused(self) -> bool:
+        """Whether generation is paused on this rank (any mode)."""
+
+    def idle(self) -> bool:
+        """Whether no batch is running (waiting requests do not count)."""
+
+    def begin_session(self) -> None:
+        """Open the rank's weight-update session (raises on failure)."""
+
+    def end_session(self) -> Optional[str]:
+        """Close it: post-load processing, listeners. Returns what went wrong."""
+
+    def run_post_load(self) -> None:
+        """The model's post-load processing (an update made without a session)."""
+
+    def flush_cache(self) -> bool: ...
+
+    def record_weight_version(self, version: str) -> None: ...
+
+    def weight_version(self) -> Optional[str]: ...
+
+
+class SglangSchedulerPort:
+    """:class:`SchedulerPort` over sglang's ``Scheduler`` (on its own thread)."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def named_parameters(self):
+        return self.scheduler.tp_worker.model_runner.model.named_parameters()
+
+    def session_open(self) -> bool:
+        from sglang.srt.managers.scheduler_safe_point import weight_update_session_open
+
+        return weight_update_session_open(self.scheduler)
+
+    def paused(self) -> bool:
+        return bool(getattr(self.scheduler, "_engine_paused", False))
+
+    def idle(self) -> bool:
+        return self.scheduler.is_fully_idle(ignore_waiting=True)
+
+    def begin_session(self) -> None:
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
+        from sglang.srt.ray.rdt.errors import WeightSyncError
+
+        out = self.scheduler.weight_updater.begin_weight_update(BeginWeightUpdateReqInput())
+        if not out.success:
+            raise WeightSyncError(f"begin_weight_update failed: {out.message}")
+
+    def end_session(self) -> Optional[str]:
+        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
+
+        out = self.scheduler.weight_updater.end_weight_update(EndWeightUpdateReqInput())
+        return None if out.success else out.message
+
+    def run_post_load(self) -> None:
+        # What sglang's end_weight_update does on every runner when a session
+        # made the pulls.
+        for _, runner in self.scheduler.weight_updater._select_runners("all"):
+            runner.weight_updater.end_weight_update(run_post_load=True)
+
+    def flush_cache(self) -> bool:
+        return bool(self.scheduler.flush_cache())
+
+    def record_weight_version(self, version: str) -> None:
+        self.scheduler.record_weight_version_change(new_version=str(version))
+
+    def weight_version(self) -> Optional[str]:
+        from sglang.srt.runtime_context import get_serving
+
+        try:
+            return get_serving().weight_version
+        except Exception:
+            return None

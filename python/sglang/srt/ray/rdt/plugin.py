@@ -1,0 +1,38 @@
+"""The fork's sglang plugin (entry point ``sglang.srt.plugins``: ``ray_rdt_weight_sync``).
+
+sglang runs general plugins before it resolves any ServerArgs
+(``load_plugins()`` in the CLI, ``Engine.__init__`` and the Ray backend's
+``launch_engine``). This one registers the flag rules of RDT weight sync as
+resolution hooks, so they are decisions in sglang's resolution record (with
+their source) like every other derived setting:
+
+* ``--enable-rdt-weight-sync`` implies ``--enable-engine-info-bootstrap``
+  (every rank publishes its parallelism config; trainers read it from
+  ``/parallelism_config?rank=R``): after resolution
+  ``server_args.enable_engine_info_bootstrap`` reads True.
+"""
+
+from __future__ import annotations
+
+_registered = False
+
+
+def rdt_implies_engine_info_bootstrap(server_args, previous) -> None:
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    previous(server_args)
+    cfg = resolving_view(server_args)
+    if getattr(cfg, "enable_rdt_weight_sync", False) and not cfg.enable_engine_info_bootstrap:
+        declare_resolution(server_args, "--enable-rdt-weight-sync", enable_engine_info_bootstrap=True)
+
+
+def register() -> None:
+    """Register the hooks (idempotent; sglang calls it once per process)."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+    register_resolution_hook("handle_other_validations")(rdt_implies_engine_info_bootstrap)
+    _registered = True

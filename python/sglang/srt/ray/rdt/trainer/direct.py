@@ -1,0 +1,250 @@
+"""Zero-copy updates: the ranks read the trainer's own tensors.
+
+When the trainer's tensors already are what the ranks want — contiguous CUDA
+tensors in the rollout layout on the client's device — and every rank can
+read that GPU over CUDA IPC (same Ray node, the GPU visible to it), there is
+nothing to stage: the client puts each rank group's tensors as they are, in
+one ``SGLANG_IPC`` ref without NIXL metadata, and every rank pulls it in one
+``pull_weights`` call. No bucket copy (on one GPU it would compete with the
+ranks' own copy for memory bandwidth), no bucket memory, one call per rank
+instead of one per bucket (a call costs ~3 ms of Ray round trips, more than a
+1 GiB copy on one H200).
+
+The tensors' segments are declared persistent: ranks keep their mappings from
+one update to the next (re-opening 146-256 segments costs ~17 ms) and close
+those no update read since the previous one ended, so memory the trainer
+freed is held at most one update longer (``WeightSyncClient.close`` releases
+everything). Safe to read: every update waits for the trainer's queued GPU work (device
+sync) before any rank reads, and ``update`` returns only after every rank's
+copy finished, so the tensors must only not change *during* ``update``, as
+with buckets.
+
+The ref is kept for the next update (:class:`DirectRefs`): when a group's
+tensors are at the same addresses with the same shapes and dtypes, the same
+ref serves again — no ``ray.put`` (3-5 ms for 256 tensors), and the ranks
+reuse their plans. That is safe because the kept ref holds the tensors it was
+put with: their memory cannot be freed, so equal addresses mean the same
+storage. The price: tensors the trainer dropped stay allocated until the next
+update puts new ones, or ``WeightSyncClient.close``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.ray.rdt.defaults import SGLANG_IPC
+from sglang.srt.ray.rdt.trainer.discovery import RankInfo
+from sglang.srt.ray.rdt.trainer.pipeline import PipelineRun
+from sglang.srt.ray.rdt.trainer.stats import BucketStats
+
+
+def trainer_gpu(device: str) -> Optional[Tuple[str, str]]:
+    """(Ray node id, GPU UUID) of this process's ``device``, None off CUDA."""
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return None
+    import ray
+
+    from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
+
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return ray.get_runtime_context().get_node_id(), device_uuid(index)
+
+
+def ranks_blocker(statuses: Sequence[Mapping[str, Any]], gpu: Optional[Tuple[str, str]],
+                  labels: Sequence[str]) -> Optional[str]:
+    """Why not every rank can read the trainer's GPU over CUDA IPC, or None."""
+    if gpu is None:
+        return "the tensors are not on a CUDA device of this process"
+    node, uuid = gpu
+    for st, label in zip(statuses, labels):
+        if SGLANG_IPC not in (st.get("transports") or []):
+            return f"{label} does not accept {SGLANG_IPC} refs"
+        reach = st.get("ipc_reach") or {}
+        if reach.get("node_id") != node:
+            return f"{label} is on another node (or does not say where it is)"
+        if uuid not in (reach.get("gpus") or []):
+            return f"{label} does not see this trainer's GPU {uuid}"
+    return None
+
+
+def shared_gpu_ranks(statuses: Sequence[Mapping[str, Any]], gpu: Optional[Tuple[str, str]],
+                     labels: Sequence[str]) -> List[str]:
+    """The ranks that run on the trainer's own GPU (same node, same UUID)."""
+    if gpu is None:
+        return []
+    node, uuid = gpu
+    return [
+        label for st, label in zip(statuses, labels)
+        if (st.get("ipc_reach") or {}).get("node_id") == node and st.get("device_uuid") == uuid
+    ]
+
+
+def tensors_blocker(payloads: Sequence[Mapping[str, torch.Tensor]], device: str) -> Optional[str]:
+    """Why some tensor cannot be put as it is, or None."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    for payload in payloads:
+        for name, t in payload.items():
+            if t.device != dev:
+                return f"{name!r} is on {t.device}, the client's device is {dev}"
+            if not t.is_contiguous():
+                return f"{name!r} is not contiguous"
+    return None
+
+
+class DirectRefs:
+    """The refs of the last zero-copy update, per rank group, with what they
+    were put from (addresses, shapes, dtypes, strides)."""
+
+    def __init__(self):
+        self._refs: Dict[int, Tuple[tuple, Any]] = {}
+        self.reused = 0
+
+    @staticmethod
+    def _key(tensors: Sequence[torch.Tensor]) -> tuple:
+        return tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.stride()) for t in tensors)
+
+    def ref_for(self, group: int, tensors: List[torch.Tensor], put: Callable[[List[torch.Tensor]], Any]):
+        key = self._key(tensors)
+        kept = self._refs.get(group)
+        if kept is not None and kept[0] == key:
+            # The trainer's queued GPU work on these tensors must be done
+            # before a rank reads them (a put synchronises for us otherwise).
+            if tensors and tensors[0].is_cuda:
+                torch.cuda.synchronize(tensors[0].device)
+            self.reused += 1
+            return kept[1]
+        self._refs.pop(group, None)  # drop the old ref (and its hold) first
+        ref = put(tensors)
+        self._refs[group] = (key, ref)
+        return ref
+
+    def clear(self) -> None:
+        self._refs.clear()
+
+
+def run_direct(
+    ranks: Sequence[RankInfo],
+    payloads: Sequence[Mapping[str, torch.Tensor]],
+    groups: List[List[int]],
+    run: PipelineRun,
+    *,
+    put: Callable[[List[torch.Tensor]], Any],
+    refs_cache: Optional[DirectRefs] = None,
+    gather: Callable[[Sequence[Tuple[int, Any]], str, float], Dict[int, Any]],
+    open_session: Callable[[], Optional[str]],
+    pull_timeout: Optional[float],
+    wait_s: float,
+) -> PipelineRun:
+    """One ref and one ``pull_weights`` per rank group; fills ``run``."""
+    t_start = time.perf_counter()
+    refs, names = [], []
+    for i, group in enumerate(groups):
+        payload = payloads[group[0]]
+        names.append(list(payload))
+        tensors = list(payload.values())
+        refs.append(refs_cache.ref_for(i, tensors, put) if refs_cache is not None else put(tensors))
+    put_seconds = time.perf_counter() - t_start
+    t0 = time.perf_counter()
+    run.session_id = open_session()
+    run.session_open = True
+    t_transfer = time.perf_counter()
+    run.begin_seconds = t_transfer - t0
+    calls = [
+        (r, ranks[r].actor.pull_weights.remote([ref], ns, pull_timeout))
+        for ref, ns, group in zip(refs, names, groups) for r in group
+    ]
+    try:
+        results = gather(calls, "pull of the trainer's tensors (zero-copy)", wait_s)
+    except BaseException:
+        # Ranks may still be reading the trainer's tensors: wait (bounded)
+        # before the caller may change them.
+        import ray
+
+        ray.wait([ref for _, ref in calls], num_returns=len(calls), timeout=wait_s)
+        raise
+    run.transfer_seconds = time.perf_counter() - t_transfer + put_seconds
+    for r, _ in calls:
+        for t in str(results[r].get("transport") or "").split(","):
+            if t and t not in run.paths:
+                run.paths.append(t)
+    for i, (group, ns) in enumerate(zip(groups, names)):
+        payload = payloads[group[0]]
+        nbytes = sum(t.numel() * t.element_size() for t in payload.values())
+        rank_seconds = [float(results[r].get("seconds", 0.0)) for r in group]
+        slowest = max(rank_seconds, default=0.0)
+        run.buckets.append(BucketStats(
+            index=i, tensors=len(ns), bytes=nbytes, ranks=len(group),
+            fill_seconds=put_seconds / len(groups), pull_seconds=slowest,
+            gbps=nbytes / slowest / 1e9 if slowest > 0 else 0.0, rank_seconds=rank_seconds,
+        ))
+    return run
+
+
+def put_direct(tensors):
+    """Put the trainer's own tensors: CUDA IPC only (every rank reads them on
+    this node), segments kept mapped across updates."""
+    import ray
+
+    from sglang.srt.ray.rdt.transport import sglang_ipc
+
+    sglang_ipc.register()
+    with sglang_ipc.put_options(nixl=False, persistent=True):
+        return ray.put(tensors, _tensor_transport=SGLANG_IPC)
+
+
+# --------------------------------------------------------------------------- #
+# The client's choices (functions of a WeightSyncClient's state)
+# --------------------------------------------------------------------------- #
+def client_gpu(client):
+    """(Ray node, GPU UUID) of the client's device in this process (cached)."""
+    if client._trainer_gpu is None:
+        client._trainer_gpu = (trainer_gpu(client.device),)
+    return client._trainer_gpu[0]
+
+
+def client_blocker(client) -> Optional[str]:
+    """Why the client's updates cannot read the trainer's own tensors (rank
+    side or settings), or None."""
+    if client.export != "auto":
+        return "export='buckets'"
+    if not client.sender.local:
+        return "the buckets live in a sender actor (sender='local' reads the trainer's tensors)"
+    if client.put_transport() != SGLANG_IPC:
+        return f"transport {client.transport!r}"
+    return ranks_blocker(client._cached_status(), client_gpu(client),
+                         [r.label() for r in client.ranks])
+
+
+def refuse_nixl_on_shared_gpu(client) -> None:
+    from sglang.srt.ray.rdt.errors import WeightSyncError
+
+    if client.transport == SGLANG_IPC or not client.sender.local:
+        return
+    shared = shared_gpu_ranks(client._cached_status(), client_gpu(client),
+                              [r.label() for r in client.ranks])
+    if shared:
+        raise WeightSyncError(
+            f"{', '.join(shared)} run(s) on this trainer's GPU, and NIXL cannot move bytes "
+            "between two processes of one GPU (UCX falls back to TCP over loopback: "
+            "~0.5 GB/s measured on an H200). Use transport='auto' or 'SGLANG_IPC' "
+            "(CUDA IPC; every rank of this engine accepts it when it lists SGLANG_IPC "
+            "in get_weight_sync_status()['transports'])."
+        )
+
+
+def resolve_put_transport(client) -> str:
+    """``auto`` resolved against what every rank accepts (SGLANG_IPC when all
+    do, else nixl); NIXL is refused for a rank on the trainer's own GPU."""
+    if client.transport == "auto":
+        accepted = [set(st.get("transports") or ["NIXL"]) for st in client._cached_status()]
+        client.transport = SGLANG_IPC if all(SGLANG_IPC in a for a in accepted) else "nixl"
+        refuse_nixl_on_shared_gpu(client)
+    elif client.transport == "nixl" and str(client.device).startswith("cuda"):
+        refuse_nixl_on_shared_gpu(client)
+    return client.transport

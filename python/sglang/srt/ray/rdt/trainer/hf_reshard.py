@@ -1,0 +1,398 @@
+"""Turn a Hugging Face state dict into each engine rank's parameters, with sglang's own loaders.
+
+A trainer holds (after gathering) the model under its Hugging Face checkpoint
+names -- ``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``, one tensor
+per expert -- and unsharded. An sglang rank holds fused parameters
+(``qkv_proj``, ``gate_up_proj``, ``experts.w13_weight``) cut to its TP/EP/PP
+slot. :class:`HFResharder` bridges the two the way miles does (PR #1313), with
+nothing model-specific of its own:
+
+* for every distinct rank layout of the engine (``GET /parallelism_config?rank=R``
+  read into :class:`RankParallelismConfig`), a dummy-loaded replica of the
+  rollout model is built on this host under :class:`ParallelismContext`;
+* the HF tensors go through that replica's own ``model.load_weights`` (so the
+  sglang weight loaders fuse and shard them), and the replica's parameters are
+  exactly what the rank holds;
+* ranks whose layouts are equal (DP replicas of one TP shard) get the *same*
+  mapping object, so :class:`~sglang.srt.ray.rdt.trainer.client.WeightSyncClient` puts
+  their tensors once.
+
+Everything is checked before a byte moves: every HF name must be a tensor of
+the checkpoint and map to a parameter (:class:`ParameterMapper`), its shape must
+be the checkpoint's and its dtype the checkpoint's or the engine's; a fused
+parameter is sent only whole (all of its HF parts given), anything else is
+refused naming the parameter. ::
+
+    from sglang.srt.ray.rdt import WeightSyncClient
+
+    client = WeightSyncClient.connect(port=30000, namespace="rollout", tp_size=2)
+    client.update(hf_model.state_dict(), version="step-3", layout="hf")
+
+or, to look at the per-rank tensors yourself::
+
+    resharder = HFResharder.from_engine_url("http://10.0.0.5:30000", num_ranks=2)
+    per_rank = resharder.reshard(hf_model.state_dict())   # {rank: {sglang_name: tensor}}
+
+The per-rank tensors are the replicas' parameters: valid until the next
+:meth:`HFResharder.reshard`. A replica costs one rank's worth of memory on the
+trainer host per distinct layout. The replica's ``post_load_weights`` is not run
+(it belongs to the engine, where finalizing the update runs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from sglang.srt.ray.rdt.errors import WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HFResharder", "HFTensorSpec", "checkpoint_layout", "layout_key"]
+
+# ServerArgs fields of the engine that decide a rank's parameter layout (read
+# from its /server_info); everything else keeps the replica's defaults.
+LAYOUT_SERVER_ARGS = (
+    "dtype",
+    "quantization",
+    "trust_remote_code",
+    "revision",
+    "tp_size",
+    "pp_size",
+    "ep_size",
+    "json_model_override_args",
+)
+
+# Fields of /parallelism_config that do not change which slice a rank holds.
+_NOT_LAYOUT = ("dp_rank", "dp_size", "node_rank", "nnodes", "world_rank", "world_size")
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+    "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HFTensorSpec:
+    """One checkpoint tensor: its shape and stored dtype."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+# --------------------------------------------------------------------------- #
+# The checkpoint's own layout (what a correct HF state dict looks like)
+# --------------------------------------------------------------------------- #
+def _safetensors_header(path: Path) -> Dict[str, Any]:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size))
+
+
+def checkpoint_layout(model_path: Union[str, Path]) -> Dict[str, HFTensorSpec]:
+    """``{hf_name: HFTensorSpec}`` of the checkpoint at ``model_path``.
+
+    Read from the safetensors headers (no tensor is loaded); for a directory
+    with only a ``config.json``, from the transformers model built on the meta
+    device. Raises ``WeightSyncError`` when neither is possible.
+    """
+    root = Path(model_path)
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+    if files:
+        out: Dict[str, HFTensorSpec] = {}
+        for f in files:
+            for name, meta in _safetensors_header(f).items():
+                if name == "__metadata__":
+                    continue
+                dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+                if dtype is None:
+                    raise WeightSyncError(
+                        f"{f.name}: tensor {name!r} has dtype {meta['dtype']!r}, "
+                        "which HF-format updates do not handle"
+                    )
+                out[name] = HFTensorSpec(tuple(int(d) for d in meta["shape"]), dtype)
+        return out
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(str(root))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:
+        raise WeightSyncError(
+            f"cannot tell the Hugging Face layout of {str(root)!r} (no *.safetensors, "
+            f"and transformers could not build it: {e}); pass model_path= a checkpoint "
+            "directory of the rollout model"
+        ) from e
+    return {
+        name: HFTensorSpec(tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
+    }
+
+
+def layout_key(config) -> Tuple[Tuple[str, int], ...]:
+    """What decides a rank's slice: ranks with equal keys hold equal tensors."""
+    lay = config.layout()
+    return tuple(sorted((k, v) for k, v in lay.items() if k not in _NOT_LAYOUT))
+
+
+# --------------------------------------------------------------------------- #
+# Publishing the engine's ServerArgs while a replica is built or loaded
+# --------------------------------------------------------------------------- #
+@contextlib.contextmanager
+def _published(server_args):
+    """Publish ``server_args`` (as the scheduler would) and put back what was there."""
+    from sglang.srt import server_args as server_args_module
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
+    from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
+    from sglang.srt.runtime_context import restore_context, snapshot_context
+
+    saved = snapshot_context()
+    try:
+        server_args_module.set_global_server_args_for_scheduler(server_args)
+        initialize_moe_config(server_args)
+        initialize_fp8_gemm_config(server_args)
+        initialize_fp4_gemm_config(server_args)
+        yield
+    finally:
+        restore_context(saved)
+
+
+class _Replica:
+    """One rank layout: a dummy-loaded model, its mapper and its parameters."""
+
+    def __init__(self, config, server_args, model_path: str, device: str):
+        from sglang.srt.configs.device_config import DeviceConfig
+        from sglang.srt.configs.load_config import LoadConfig
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.distributed.parallel_state import ParallelismContext
+        from sglang.srt.model_loader import get_model
+        from sglang.srt.model_loader.parameter_mapper import ParameterMapper
+
+        self.config = config
+        self.server_args = server_args
+        with _published(server_args), ParallelismContext(config):
+            self.model = get_model(
+                model_config=ModelConfig(
+                    model_path, dtype=server_args.dtype,
+                    trust_remote_code=server_args.trust_remote_code,
+                ),
+                load_config=LoadConfig(load_format="dummy", model_loader_extra_config=None),
+                device_config=DeviceConfig(device=device),
+            )
+        self.mapper = ParameterMapper.from_model(self.model)
+        self.params = dict(self.model.named_parameters())
+        # sglang name -> the HF names that fill it (from the checkpoint layout).
+        self.parts: Dict[str, List[str]] = {}
+
+    def load(self, items: List[Tuple[str, torch.Tensor]]) -> None:
+        with _published(self.server_args), torch.no_grad():
+            self.model.load_weights(items)
+
+
+# --------------------------------------------------------------------------- #
+# The resharder
+# --------------------------------------------------------------------------- #
+class HFResharder:
+    """Per-rank sglang tensors from one HF state dict, for one engine's layout.
+
+    Args:
+        model_path: a checkpoint directory of the rollout model on this host
+            (its ``config.json``, and its ``*.safetensors`` headers for the
+            expected names/shapes).
+        server_args: the engine's ``ServerArgs`` (or its ``/server_info`` dict;
+            :data:`LAYOUT_SERVER_ARGS` are read from it).
+        rank_configs: each engine rank's ``RankParallelismConfig`` (or its
+            ``/parallelism_config?rank=R`` JSON), in global rank order.
+        device: where the replicas live (``"cpu"`` by default: no accelerator
+            is needed; ``"cuda"`` is faster for large models).
+    """
+
+    def __init__(
+        self,
+        model_path: Union[str, Path],
+        server_args: Union[Mapping[str, Any], Any],
+        rank_configs: Sequence[Union[Mapping[str, Any], Any]],
+        *,
+        device: str = "cpu",
+    ):
+        from sglang.srt.distributed.parallel_state import RankParallelismConfig
+
+        if not rank_configs:
+            raise WeightSyncError("HFResharder needs the parallelism config of at least one rank")
+        self.model_path = str(model_path)
+        self.device = device
+        self.server_args = _replica_server_args(self.model_path, server_args, device)
+        self.rank_configs = [
+            c if isinstance(c, RankParallelismConfig) else RankParallelismConfig.from_dict(c)
+            for c in rank_configs
+        ]
+        self.keys = [layout_key(c) for c in self.rank_configs]
+        self._replicas: Dict[Tuple, _Replica] = {}
+        self._hf: Optional[Dict[str, HFTensorSpec]] = None
+
+    @classmethod
+    def from_engine_url(
+        cls,
+        url: str,
+        num_ranks: int,
+        *,
+        model_path: Optional[Union[str, Path]] = None,
+        timeout_s: float = 60.0,
+        **kwargs,
+    ) -> "HFResharder":
+        """Read the engine's ``/server_info`` and each rank's
+        ``/parallelism_config?rank=R`` from its HTTP server.
+
+        ``model_path`` defaults to the engine's ``--model-path`` (valid when the
+        trainer sees the same path).
+        """
+        import requests
+
+        url = url.rstrip("/")
+
+        def get(path: str) -> Dict[str, Any]:
+            try:
+                r = requests.get(f"{url}{path}", timeout=timeout_s)
+                r.raise_for_status()
+                return r.json()
+            except Exception as e:
+                raise WeightSyncError(f"GET {url}{path} failed: {e}") from e
+
+        info = get("/server_info")
+        configs = [get(f"/parallelism_config?rank={r}") for r in range(num_ranks)]
+        return cls(model_path or info["model_path"], info, configs, **kwargs)
+
+    # ------------------------------------------------------------------ #
+    @property
+    def hf_layout(self) -> Dict[str, HFTensorSpec]:
+        if self._hf is None:
+            self._hf = checkpoint_layout(self.model_path)
+        return self._hf
+
+    def replica(self, key: Tuple) -> _Replica:
+        """The replica of one layout (built on first use)."""
+        if key not in self._replicas:
+            config = self.rank_configs[self.keys.index(key)]
+            replica = _Replica(config, self.server_args, self.model_path, self.device)
+            for hf_name in self.hf_layout:
+                m = replica.mapper.map(hf_name)
+                if m.loaded:
+                    replica.parts.setdefault(m.sglang_name, []).append(hf_name)
+            logger.info(
+                "[RDT] HF reshard: replica of %s built (%d parameters)",
+                config.describe(), len(replica.params),
+            )
+            self._replicas[key] = replica
+        return self._replicas[key]
+
+    def rank_groups(self) -> List[List[int]]:
+        """Ranks that hold equal tensors, in first-rank order."""
+        groups: Dict[Tuple, List[int]] = {}
+        for rank, key in enumerate(self.keys):
+            groups.setdefault(key, []).append(rank)
+        return list(groups.values())
+
+    # ------------------------------------------------------------------ #
+    def check(self, hf_state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> None:
+        """Refuse a state dict that does not fit the checkpoint, naming the tensor.
+
+        Checks names (a tensor of the checkpoint that some parameter takes),
+        shapes (the checkpoint's), dtypes (the checkpoint's or the engine's),
+        and that each fused parameter gets all of its parts; with ``strict``,
+        that every tensor of the checkpoint is given.
+        """
+        from sglang.srt.model_loader.parameter_mapper import ParameterMappingError
+
+        if not hf_state_dict:
+            raise WeightSyncError("empty update: no tensors were given")
+        expected = self.hf_layout
+        engine_dtype = _engine_dtype(self.server_args)
+        for name, t in hf_state_dict.items():
+            if not isinstance(t, torch.Tensor):
+                raise WeightSyncError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
+            spec = expected.get(name)
+            if spec is None:
+                close = difflib.get_close_matches(name, list(expected), n=3)
+                raise WeightSyncError(
+                    f"{name!r} is not a tensor of the checkpoint at {self.model_path!r}"
+                    + (f" (close: {close})" if close else "")
+                    + "; HF-format updates take the checkpoint's names"
+                )
+            if tuple(t.shape) != spec.shape:
+                raise WeightSyncError(
+                    f"{name!r}: shape {tuple(t.shape)} does not match the checkpoint's "
+                    f"{spec.shape} (HF-format updates take full, unsharded tensors)"
+                )
+            allowed = {d for d in (spec.dtype, engine_dtype) if d is not None}
+            if t.dtype not in allowed:
+                raise WeightSyncError(
+                    f"{name!r}: dtype {_dt(t.dtype)}; expected "
+                    + " or ".join(sorted(_dt(d) for d in allowed))
+                    + " (the checkpoint's or the engine's --dtype)"
+                )
+        for key in dict.fromkeys(self.keys):
+            replica = self.replica(key)
+            for name in hf_state_dict:
+                try:
+                    replica.mapper.map(name)
+                except ParameterMappingError as e:
+                    raise WeightSyncError(f"{name!r}: {e}") from None
+            for sglang_name, parts in replica.parts.items():
+                given = [p for p in parts if p in hf_state_dict]
+                if given and len(given) != len(parts) or strict and not given:
+                    missing = [p for p in parts if p not in hf_state_dict]
+                    raise WeightSyncError(
+                        f"parameter {sglang_name!r} of {replica.config.describe()} is built "
+                        f"from {len(parts)} checkpoint tensors; missing: {missing[:8]}"
+                        + ("" if given else " (strict=True requires every parameter)")
+                    )
+
+    def reshard(
+        self, hf_state_dict: Mapping[str, torch.Tensor], *, strict: bool = False
+    ) -> Dict[int, Dict[str, torch.Tensor]]:
+        """``{rank: {sglang_name: tensor}}`` for every rank; ranks of one layout
+        share one mapping object. Raises ``WeightSyncError`` (nothing loaded
+        anywhere) when :meth:`check` refuses the state dict."""
+        hf_state_dict = dict(hf_state_dict)
+        self.check(hf_state_dict, strict=strict)
+        out: Dict[int, Dict[str, torch.Tensor]] = {}
+        for group in self.rank_groups():
+            replica = self.replica(self.keys[group[0]])
+            names = [n for n, parts in replica.parts.items() if parts[0] in hf_state_dict]
+            items = [(p, hf_state_dict[p].detach()) for n in names for p in replica.parts[n]]
+            replica.load(items)
+            tensors = {n: replica.params[n].data for n in names}
+            for rank in group:
+                out[rank] = tensors
+        return out
+
+
+def _replica_server_args(model_path: str, server_args, device: str):
+    from sglang.srt.server_args import ServerArgs
+
+    if isinstance(server_args, Mapping):
+        fields = {k: server_args[k] for k in LAYOUT_SERVER_ARGS if server_args.get(k) is not None}
+    else:
+        fields = {k: getattr(server_args, k) for k in LAYOUT_SERVER_ARGS}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    return ServerArgs(model_path=model_path, device=device, skip_tokenizer_init=True, **fields)
+
+
+def _engine_dtype(server_args) -> Optional[torch.dtype]:
+    value = getattr(server_args, "dtype", None)
+    return getattr(torch, value, None) if isinstance(value, str) else None
+
+
+def _dt(dtype: Optional[torch.dtype]) -> str:
+    return str(dtype).replace("torch.", "")

@@ -1,0 +1,93 @@
+"""What a trainer hands to :meth:`WeightSyncClient.update`, normalised.
+
+One mapping for every rank, or ``{rank: mapping}`` (reusing one mapping object
+for ranks that take the same tensors, e.g. DP replicas of one TP shard, so
+they share buckets).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Mapping, Tuple, Union
+
+import torch
+
+from sglang.srt.ray.rdt.errors import WeightSyncError
+from sglang.srt.ray.rdt.trainer.buckets import TensorItem, check_tensors, dtype_name, group_ranks
+
+NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
+
+
+def tensor_item(name: str, shape, dtype) -> TensorItem:
+    """The bucket planner's view of one tensor (or one rank parameter's spec)."""
+    shape = tuple(int(d) for d in shape)
+    dtype = dtype_name(dtype)
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise WeightSyncError(f"{name!r}: unknown dtype {dtype!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    return TensorItem(name, shape, dtype, numel * torch_dtype.itemsize)
+
+
+def normalize(named: NamedTensors) -> Dict[str, torch.Tensor]:
+    """``{name: detached tensor}``; refuses non-tensors, repeats and emptiness."""
+    items = named.items() if isinstance(named, Mapping) else named
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise WeightSyncError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if name in out:
+            raise WeightSyncError(f"{name!r} is given twice")
+        out[name] = t.detach()
+    if not out:
+        raise WeightSyncError("empty update: no tensors were given")
+    return out
+
+
+def split_payloads(named_tensors, n_ranks: int) -> Tuple[List[Dict[str, torch.Tensor]], List[List[int]]]:
+    """Per-rank ``{name: tensor}`` and the groups of ranks sharing one."""
+    if isinstance(named_tensors, Mapping) and named_tensors and all(
+        isinstance(k, int) for k in named_tensors
+    ):
+        missing = [r for r in range(n_ranks) if r not in named_tensors]
+        extra = [k for k in named_tensors if not 0 <= k < n_ranks]
+        if missing or extra:
+            raise WeightSyncError(
+                f"a per-rank update needs tensors for ranks 0..{n_ranks - 1}: "
+                + (f"missing {missing}" if missing else f"no such ranks {extra}")
+            )
+        per_rank = [named_tensors[r] for r in range(n_ranks)]
+    else:
+        per_rank = [named_tensors] * n_ranks
+    normalized: Dict[int, Dict[str, torch.Tensor]] = {}
+    for p in per_rank:
+        if id(p) not in normalized:
+            normalized[id(p)] = normalize(p)
+    groups = group_ranks([id(p) for p in per_rank])
+    return [normalized[id(p)] for p in per_rank], groups
+
+
+class LayoutCheck:
+    """Checks each rank group's tensors against its ranks' layouts; an update
+    with the same names, shapes and dtypes as the last one that passed the
+    same (cached) layouts is not checked again."""
+
+    def __init__(self):
+        self._passed: Dict[int, tuple] = {}  # group index -> (signature, layouts, items)
+
+    def items_per_group(self, payloads, groups, layouts, labels, strict: bool) -> List[List[TensorItem]]:
+        out = []
+        for g, group in enumerate(groups):
+            payload = payloads[group[0]]
+            sig = (tuple(group), strict, tuple((n, t.shape, t.dtype) for n, t in payload.items()))
+            cached = self._passed.get(g)
+            if cached is not None and cached[0] == sig and cached[1] is layouts:
+                out.append(cached[2])
+                continue
+            items = [tensor_item(n, t.shape, t.dtype) for n, t in payload.items()]
+            for r in group:
+                check_tensors(items, layouts[r], labels[r], strict=strict)
+            self._passed[g] = (sig, layouts, items)
+            out.append(items)
+        return out

@@ -1,0 +1,103 @@
+"""The engine's update session, as the trainer drives it: three back-ends.
+
+* :class:`HttpSession` — ``POST /weight_sync/{begin,end,abort}`` on the
+  engine's HTTP server (drains in-flight requests, holds new ones);
+* :class:`EngineSession` — an in-process ``RayEngine``'s
+  ``begin_weight_sync`` / ``end_weight_sync`` / ``abort_weight_sync``;
+* :class:`CallerPausedSession` — the caller paused generation itself; the
+  end is ``finalize_weight_update`` on every rank, the abort
+  ``abort_weight_update``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Optional
+
+from sglang.srt.ray.rdt.errors import WeightSyncRankError, WeightSyncSessionError
+
+logger = logging.getLogger(__name__)
+
+CallAll = Callable[..., List[Any]]
+
+
+class HttpSession:
+    def __init__(self, url: str, lease_s: float, timeout_s: float):
+        self.url, self.lease_s, self.timeout_s = url.rstrip("/"), lease_s, timeout_s
+
+    def _post(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
+        import requests
+
+        try:
+            r = requests.post(f"{self.url}{path}", json=body, timeout=self.timeout_s)
+        except requests.RequestException as e:
+            raise WeightSyncSessionError(f"POST {self.url}{path} failed: {e}") from e
+        try:
+            data = r.json()
+        except ValueError:
+            data = {"success": False, "message": r.text[:500]}
+        if r.status_code != 200 or not data.get("success", False):
+            raise WeightSyncSessionError(
+                f"POST {self.url}{path} -> HTTP {r.status_code}: {data.get('message', data)}"
+            )
+        return data
+
+    def begin(self) -> Optional[str]:
+        return self._post("/weight_sync/begin", {"lease_s": self.lease_s})["session_id"]
+
+    def end(self, session_id: Optional[str], version: Optional[str], flush_cache: bool):
+        return self._post(
+            "/weight_sync/end",
+            {"weight_version": version, "flush_cache": flush_cache, "session_id": session_id},
+        )
+
+    def abort(self, session_id: Optional[str], reason: str) -> None:
+        self._post("/weight_sync/abort", {"reason": reason, "session_id": session_id})
+
+
+class EngineSession:
+    def __init__(self, engine: Any, lease_s: float):
+        self.engine, self.lease_s = engine, lease_s
+
+    def begin(self) -> Optional[str]:
+        try:
+            return self.engine.begin_weight_sync(lease_s=self.lease_s).get("session_id")
+        except Exception as e:
+            raise WeightSyncSessionError(f"begin_weight_sync failed: {e}") from e
+
+    def end(self, session_id: Optional[str], version: Optional[str], flush_cache: bool):
+        try:
+            return self.engine.end_weight_sync(weight_version=version, flush_cache=flush_cache)
+        except Exception as e:
+            raise WeightSyncSessionError(f"end_weight_sync failed: {e}") from e
+
+    def abort(self, session_id: Optional[str], reason: str) -> None:
+        self.engine.abort_weight_sync(reason)
+
+
+class CallerPausedSession:
+    def __init__(self, call_all: CallAll):
+        self.call_all = call_all
+
+    def begin(self) -> Optional[str]:
+        return None  # the caller paused generation; ranks refuse pulls otherwise
+
+    def end(self, session_id: Optional[str], version: Optional[str], flush_cache: bool):
+        return self.call_all("finalize_weight_update", version, flush_cache)
+
+    def abort(self, session_id: Optional[str], reason: str) -> None:
+        # Best effort on every rank: a dead rank must not keep the live ones
+        # from closing their update.
+        try:
+            self.call_all("abort_weight_update", reason)
+        except WeightSyncRankError as e:
+            logger.error("[RDT] abort did not reach every rank: %s", e)
+
+
+def make_session(url: Optional[str], engine: Any, call_all: CallAll, lease_s: float,
+                 call_timeout_s: float):
+    if url:
+        return HttpSession(url, lease_s, call_timeout_s + 30)
+    if engine is not None:
+        return EngineSession(engine, lease_s)
+    return CallerPausedSession(call_all)

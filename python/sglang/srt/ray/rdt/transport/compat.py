@@ -1,0 +1,222 @@
+"""Every access to Ray's and NIXL's private internals, in one place.
+
+The weight-sync code needs a few things neither library exposes publicly:
+Ray's per-process RDT manager (to read a ref's transport metadata without
+fetching it), its registry of tensor transports, the owner address inside an
+``ObjectRef``, the GCS job table, and NIXL's agent-config binding (to give
+Ray's NIXL agent a progress-thread delay). Each is reached through a function
+here, and :func:`check_versions` says, once per process, when the installed
+Ray or NIXL is not a version this was written against — the first place to
+look when one of these lookups breaks after an upgrade.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Callable, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+# The versions these accessors were written and tested against.
+RAY_VERSIONS = ("2.60.0",)
+NIXL_VERSIONS = ("1.5.1",)
+
+_checked = False
+_check_lock = threading.Lock()
+
+
+def check_versions() -> Optional[str]:
+    """Warn once per process when Ray or NIXL is a version these private
+    accessors were not written for. Returns the warning, or None."""
+    global _checked
+    if _checked:  # every ref lookup lands here: no lock once done
+        return None
+    with _check_lock:
+        if _checked:
+            return None
+        _checked = True
+    problems = []
+    try:
+        import ray
+
+        if ray.__version__ not in RAY_VERSIONS:
+            problems.append(f"ray {ray.__version__} (written for {', '.join(RAY_VERSIONS)})")
+    except ImportError:
+        return None
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            nixl_version = version("nixl")
+        except PackageNotFoundError:
+            nixl_version = None
+        if nixl_version is not None and nixl_version not in NIXL_VERSIONS:
+            problems.append(f"nixl {nixl_version} (written for {', '.join(NIXL_VERSIONS)})")
+    except Exception:  # pragma: no cover - metadata unreadable
+        pass
+    if not problems:
+        return None
+    message = (
+        "[RDT] weight sync reaches into private parts of "
+        + " and ".join(problems)
+        + "; if a weight-sync call fails with an AttributeError or ImportError, "
+        "sglang/srt/ray/rdt/transport/compat.py is the place to update"
+    )
+    logger.warning(message)
+    return message
+
+
+# --------------------------------------------------------------------------- #
+# Ray: tensor transports
+# --------------------------------------------------------------------------- #
+def transport_base_classes() -> Tuple[type, type, type]:
+    """Ray's (CommunicatorMetadata, TensorTransportManager,
+    TensorTransportMetadata); plain ``object`` without Ray, so the pure parts
+    of the transports import anywhere."""
+    try:
+        from ray.experimental.rdt.tensor_transport_manager import (
+            CommunicatorMetadata,
+            TensorTransportManager,
+            TensorTransportMetadata,
+        )
+    except ImportError:  # pragma: no cover - Ray without RDT
+        return object, object, object
+    return CommunicatorMetadata, TensorTransportManager, TensorTransportMetadata
+
+
+def transport_manager(name: str):
+    """This process's manager of tensor transport ``name`` (created on first use)."""
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    return get_tensor_transport_manager(name)
+
+
+def transport_in_use(name: str) -> bool:
+    """Whether this process has created the manager of transport ``name``."""
+    from ray.experimental.rdt import util
+
+    return name in getattr(util, "transport_managers", {})
+
+
+def transport_registered(name: str) -> bool:
+    """Whether tensor transport ``name`` is registered in this process."""
+    from ray.experimental.rdt import util
+
+    return name in util.transport_manager_info
+
+
+def register_transport(name: str, devices, manager_class: type, data_type: type) -> None:
+    """Register a custom tensor transport in this process (idempotent; Ray's
+    own push of it to a new actor may have registered it already)."""
+    from ray.experimental.rdt import util
+
+    check_versions()
+    util._ensure_default_transports_registered()
+    if name in util.transport_manager_info:
+        return
+    try:
+        util.register_tensor_transport(name, devices, manager_class, data_type)
+    except ValueError as e:
+        if "already registered" not in str(e):
+            raise
+
+
+def nixl_communicator_metadata():
+    """The (empty) communicator metadata Ray's NIXL transport takes."""
+    from ray.experimental.rdt.nixl_tensor_transport import NixlCommunicatorMetadata
+
+    return NixlCommunicatorMetadata()
+
+
+# --------------------------------------------------------------------------- #
+# Ray: refs
+# --------------------------------------------------------------------------- #
+def rdt_manager():
+    """This worker's RDT manager (what ``ray.get`` of an RDT ref goes through)."""
+    import ray
+
+    check_versions()
+    return ray._private.worker.global_worker.rdt_manager
+
+
+def rdt_metadata(ref):
+    """Ray's record of an RDT ref (transport, source actor, tensor metadata), or None."""
+    return rdt_manager().get_rdt_metadata(ref.hex())
+
+
+def wait_transport_metadata(ref, timeout_s: float):
+    """The ref's tensor-transport metadata, waiting up to ``timeout_s`` for it."""
+    return rdt_manager().wait_for_tensor_transport_metadata(ref.hex(), timeout_s)
+
+
+def ref_owner(ref) -> Tuple[str, str]:
+    """(worker id hex, ip) of the process that owns ``ref`` (who put it)."""
+    from ray.core.generated.common_pb2 import Address
+
+    owner = Address()
+    owner.ParseFromString(ref.owner_address())
+    return owner.worker_id.hex(), owner.ip_address
+
+
+def actor_class_name(handle) -> Optional[str]:
+    """The class name of an actor handle, if Ray's descriptor has one."""
+    descriptor = getattr(handle, "_ray_actor_creation_function_descriptor", None)
+    return getattr(descriptor, "class_name", None)
+
+
+# --------------------------------------------------------------------------- #
+# Ray: jobs
+# --------------------------------------------------------------------------- #
+def job_table() -> list:
+    """The GCS job table (``JobID``, ``IsDead``, ...)."""
+    from ray._private import state
+
+    return state.jobs()
+
+
+# --------------------------------------------------------------------------- #
+# NIXL, as Ray builds its agent
+# --------------------------------------------------------------------------- #
+RAY_NIXL_MODULE = "ray.experimental.rdt.nixl_tensor_transport"
+
+
+def ray_nixl_transport_class() -> Optional[type]:
+    """Ray's NIXL transport class, or None for a Ray without RDT."""
+    try:
+        from ray.experimental.rdt import nixl_tensor_transport
+    except ImportError:
+        return None
+    return nixl_tensor_transport.NixlTensorTransport
+
+
+def ray_nixl_agent_exists() -> bool:
+    """Whether this process's Ray NIXL agent exists (without creating Ray's
+    NIXL transport manager when there is none)."""
+    from ray.experimental.rdt import util
+
+    manager = getattr(util, "transport_managers", {}).get("NIXL")
+    return manager is not None and getattr(manager, "_nixl_agent", None) is not None
+
+
+def nixl_api_module():
+    """NIXL's Python API module (whose ``nixlBind`` builds agent configs)."""
+    from nixl._api import nixl_agent
+
+    return sys.modules[nixl_agent.__module__]
+
+
+def wrap_ray_nixl_agent_factory(wrap: Callable[[Callable], Callable]) -> bool:
+    """Replace Ray's NIXL agent factory by ``wrap(original)``. False when this
+    Ray has no such factory (nothing is changed)."""
+    transport = ray_nixl_transport_class()
+    original = getattr(transport, "_make_nixl_agent", None) if transport else None
+    if original is None:
+        return False
+    wrapped = wrap(original)
+    wrapped.__wrapped__ = original  # type: ignore[attr-defined]
+    transport._make_nixl_agent = wrapped
+    return True
+
+

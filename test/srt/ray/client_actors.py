@@ -2,10 +2,12 @@
 
 ``FakeRank`` answers the SchedulerActor calls the client makes
 (``register_weight_for_rdt``, ``get_parameter_layout``, ``pull_weights``,
-``finalize_weight_update``, ...) around a real :class:`RdtWeightReceiver` and a
-toy torch model, so pulls are real NIXL transfers into live tensors. It can be
-slow (sleep before each pull reads the bucket) or fail, and it logs when each
-pull started and ended.
+``finalize_weight_update``, ...) with the real rank core
+(:class:`~sglang.srt.ray.rdt.engine.rank_sync.RankWeightSync`, the same code a
+SchedulerActor runs, over a toy torch model whose loop thread serves the
+safe-point queue), so pulls are real NIXL transfers into live tensors. It can
+be slow (sleep before each pull reads the bucket) or fail, and it logs when
+each pull started and ended. Generation counts as paused (the caller's job).
 
 ``SpySender`` is the client's bucket sender with a log of when each fill began.
 """
@@ -20,7 +22,7 @@ import ray
 import torch
 
 from sglang.srt.ray.rdt.errors import WeightSyncError
-from sglang.srt.ray.rdt.sender import BucketSender
+from sglang.srt.ray.rdt.trainer.sender import BucketSender
 
 
 def deep_model(seed: int = 0, width: int = 32, depth: int = 6) -> torch.nn.Module:
@@ -35,16 +37,16 @@ def deep_model(seed: int = 0, width: int = 32, depth: int = 6) -> torch.nn.Modul
 @ray.remote(num_cpus=0, max_concurrency=4, enable_tensor_transport=True)
 class FakeRank:
     def __init__(self, rank: int, seed: int = 0, delay_s: float = 0.0, fail: Optional[str] = None):
-        from sglang.srt.ray.rdt import cuda_ipc_transport
-        from sglang.srt.ray.rdt.receiver import RdtWeightReceiver
-
-        cuda_ipc_transport.register()  # as the SchedulerActor does
+        from sglang.srt.ray.rdt.engine.standalone import standalone_rank
+        from sglang.srt.ray.rdt.transport import sglang_ipc
 
         self.rank = rank
         self.model = deep_model(seed)
-        self.receiver = RdtWeightReceiver(
-            lambda: dict(self.model.named_parameters()), pull_timeout_s=30
+        self.sync = standalone_rank(
+            self.model, rank=f"fake{rank}", pull_timeout_s=30,
+            transports=["NIXL", sglang_ipc.register()],  # registered as the SchedulerActor does
         )
+        self.sync.port.is_paused = True
         self.delay_s = delay_s
         self.fail = fail
         self.pulls: List[Dict[str, Any]] = []
@@ -61,14 +63,10 @@ class FakeRank:
 
     # --- the SchedulerActor API the client uses ------------------------- #
     def register_weight_for_rdt(self):
-        return self.receiver.register()
+        return self.sync.receiver.register()
 
     def get_parameter_layout(self):
-        return {
-            n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                "data_ptr": p.data_ptr()}
-            for n, p in self.model.named_parameters()
-        }
+        return self.sync.parameter_layout()
 
     def get_parallelism_config(self):
         return {"rank": self.rank, "tp_rank": 0, "tp_size": 1, "dp_rank": self.rank, "device": "cpu"}
@@ -81,21 +79,20 @@ class FakeRank:
             time.sleep(self.delay_s)
             if self.fail:
                 raise WeightSyncError(self.fail)
-            stats = self.receiver.pull(refs, names, timeout)
+            stats = self.sync.pull(refs, names, timeout)
             self.pulls.append({"names": list(names), "start": start, "end": time.time()})
             return stats
 
     def finalize_weight_update(self, weight_version=None, flush_cache=True):
         self.finalized.append(weight_version)
-        self.receiver.state.end()
-        return {"success": True, "weight_version": weight_version}
+        return self.sync.finalize(weight_version, flush_cache)
 
     def abort_weight_update(self, reason="aborted"):
         self.aborts.append(reason)
-        return self.receiver.state.abort(reason)
+        return self.sync.abort(reason)
 
     def get_weight_sync_status(self):
-        return {**self.receiver.status(), "transports": ["NIXL", "SGLANG_IPC"]}
+        return self.sync.status()
 
     # --- inspection ------------------------------------------------------ #
     def state(self) -> Dict[str, torch.Tensor]:
@@ -127,10 +124,37 @@ class MetricsProbe:
     """Records weight-sync metrics in a Ray worker, as a SchedulerActor would."""
 
     def record(self, labels: Dict[str, Any]) -> bool:
-        from sglang.srt.ray.rdt import metrics
+        from sglang.srt.ray.rdt.engine import metrics
 
         metrics.configure(True, labels)
         metrics.record_pull({"bytes": 4096, "tensors": 3, "seconds": 0.02})
         metrics.record_update(0.5)
         metrics.record_failure("transfer")
         return metrics.enabled()
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class NodeTrainer:
+    """A trainer pinned to one Ray node that updates an engine with
+    ``WeightSyncClient`` (buckets in this process: ``sender="local"``)."""
+
+    def update(self, actors, names, url: str, model_dir: str, seed: int, version: str,
+               transport: str = "auto") -> Dict[str, Any]:
+        import os
+
+        from sglang.srt.ray.rdt import WeightSyncClient
+        from tiny_model import random_state_dict
+
+        with WeightSyncClient(actors, names=names, url=url, sender="local",
+                              transport=transport, bucket_bytes=64 * 1024) as client:
+            client.register()
+            put_transport = client.put_transport()
+            stats = client.update(random_state_dict(model_dir, seed), version=version, strict=True)
+            status = client.status()
+            rank_stats = ray.get([a.get_weight_sync_stats.remote() for a in actors], timeout=60)
+        ctx = ray.get_runtime_context()
+        return {
+            "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(), "put_transport": put_transport,
+            "stats": stats.as_dict(), "status": status, "rank_stats": rank_stats,
+        }

@@ -4,6 +4,9 @@
   temp dir, namespace and auth token (Ray 2.60 token auth stays on). It is
   stopped at the end by the pids of the processes that carry its temp dir —
   never ``ray stop``, which would stop every cluster on the host.
+* ``ray_two_nodes`` (module): a cluster of its own with two Ray nodes on
+  this host — a head and a worker joined to it with node IP ``127.0.0.2``
+  (two raylets, two node ids, one hostname); stopped by pid like the head.
 * ``tiny_model`` (session): a random-weight Llama + a tokenizer trained here.
 * ``launch_server``: runs ``python -m sglang.launch_server`` against the
   cluster and waits for ``/health``; stops it with SIGTERM (then SIGKILL).
@@ -34,6 +37,7 @@ from tiny_model import build_tiny_model  # noqa: E402
 from ray_harness import (  # noqa: E402,F401  (re-exported for the tests)
     CPU_SERVER_ARGS,
     RayHead,
+    RayWorkerNode,
     free_port,
     processes_with,
     start_ray_head,
@@ -59,6 +63,23 @@ def ray_head():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        head.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_two_nodes():
+    """(head, worker): a two-node cluster of its own. Not connected from this
+    process (the session's ``ray_client`` may be): drive it from Ray jobs."""
+    head = RayHead.launch(num_cpus=2, namespace="sglang-two-nodes").wait()
+    try:
+        worker = RayWorkerNode.join(head, node_ip="127.0.0.2", num_cpus=2)
+    except BaseException:
+        head.stop()
+        raise
+    try:
+        yield head, worker
+    finally:
+        worker.stop()
         head.stop()
 
 

@@ -50,6 +50,6 @@ class MilesLikeTrainer:
         return ray.get_runtime_context().get_actor_id()
 
     def nixl_progress_thread(self) -> str:
-        from sglang.srt.ray.rdt import nixl_progress
+        from sglang.srt.ray.rdt.transport import nixl_progress
 
         return nixl_progress.describe()

@@ -176,6 +176,57 @@ class RayHead:
         return with_descendants(_processes(ours))
 
 
+@dataclass
+class RayWorkerNode:
+    """A second Ray node on this host, joined to a :class:`RayHead`: its own
+    ``ray start --address=HEAD`` with another loopback IP (``127.0.0.2``), temp
+    dir and ports, so Ray sees two nodes (two raylets, two node ids) that share
+    one host, hostname and pid namespace. Stopped by the pids of the processes
+    that carry its temp dir, like the head."""
+
+    head: RayHead
+    node_ip: str
+    temp_dir: str
+    num_cpus: int
+
+    @classmethod
+    def join(
+        cls, head: RayHead, node_ip: str = "127.0.0.2", num_cpus: int = 2, timeout: float = 120
+    ) -> "RayWorkerNode":
+        temp_dir = tempfile.mkdtemp(prefix="rtw_", dir="/tmp")
+        node = cls(head=head, node_ip=node_ip, temp_dir=temp_dir, num_cpus=num_cpus)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(head.env)
+        env.pop("RAY_ADDRESS")
+        cmd = [
+            str(Path(sys.executable).parent / "ray"), "start", f"--address={head.address}",
+            f"--node-ip-address={node_ip}", f"--num-cpus={num_cpus}", "--num-gpus=0",
+            "--disable-usage-stats", f"--temp-dir={temp_dir}",
+            # Every port of its own: the head's node shares the host.
+            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+        ]
+        try:
+            # Returns once the raylet is up and registered with the head.
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            node.stop()
+            raise TimeoutError(f"`ray start --address` did not finish within {timeout:.0f} s")
+        if proc.returncode != 0:
+            node.stop()
+            raise RuntimeError(f"ray start (worker node) failed:\n{proc.stdout}\n{proc.stderr}")
+        return node
+
+    def processes(self) -> List[psutil.Process]:
+        return with_descendants(processes_with(self.temp_dir))
+
+    def stop(self) -> None:
+        stop_processes(self.processes())
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
 def start_ray_head(num_cpus: int = 8, namespace: str = "sglang-test") -> RayHead:
     return RayHead.launch(num_cpus, namespace).wait()
 

@@ -61,9 +61,9 @@ def toy_model(seed: int = 0, width: int = 64) -> torch.nn.Module:
 @ray.remote(num_cpus=0, max_concurrency=4, enable_tensor_transport=True)
 class ToyRank:
     def __init__(self, seed: int = 0, width: int = 64, pull_timeout_s: float = 30.0):
-        from sglang.srt.ray.rdt import cuda_ipc_transport
+        from sglang.srt.ray.rdt.transport import sglang_ipc
 
-        cuda_ipc_transport.register()  # as the SchedulerActor does
+        sglang_ipc.register()  # as the SchedulerActor does
         self.receiver = None
         self.reset(seed, width, pull_timeout_s)
 
@@ -78,7 +78,7 @@ class ToyRank:
 
     def reset(self, seed: int = 0, width: int = 64, pull_timeout_s: float = 30.0, model=None):
         """A fresh model and receiver (importing sglang once per actor is slow)."""
-        from sglang.srt.ray.rdt.receiver import RdtWeightReceiver
+        from sglang.srt.ray.rdt.engine.receiver import RdtWeightReceiver
 
         if self.receiver is not None:
             self.receiver.close()
@@ -140,8 +140,15 @@ class ToyRank:
             rx.set_target_for_ref = real
 
     def finalize(self):
+        """End the update as the rank core does (state, then the receiver)."""
         self.receiver.state.end()
+        self.receiver.end_of_update()
         return self.receiver.status()
+
+    def gc_enabled(self) -> bool:
+        import gc
+
+        return gc.isenabled()
 
     def arm_sender_kill(self, pid: int, timeout_s: float = 120.0):
         """Start a thread that SIGKILLs process ``pid`` (a sender on this host)
@@ -213,15 +220,15 @@ class ToyTrainer:
     def __init__(self, transport: str = "nixl"):
         # What a trainer that puts with NIXL itself does once (docs): keep the
         # NIXL progress thread of this process from spinning a core.
-        from sglang.srt.ray.rdt.nixl_progress import configure_nixl_progress_thread
+        from sglang.srt.ray.rdt.transport.nixl_progress import configure_nixl_progress_thread
 
         configure_nixl_progress_thread()
         self.buckets: List[List[torch.Tensor]] = []
         self.transport = transport
         if transport == "SGLANG_IPC":
-            from sglang.srt.ray.rdt import cuda_ipc_transport
+            from sglang.srt.ray.rdt.transport import sglang_ipc
 
-            cuda_ipc_transport.register()
+            sglang_ipc.register()
 
     def put(self, tensors: List[torch.Tensor]):
         self.buckets.append(tensors)

@@ -35,8 +35,9 @@ from sglang.srt.managers.scheduler_safe_point import (
     run_safe_point_tasks,
 )
 from sglang.srt.ray.rdt.errors import WeightSyncError
-from sglang.srt.ray.rdt.plan import TensorSpec
-from sglang.srt.ray.rdt.receiver import RdtWeightReceiver, RegistrationBook
+from sglang.srt.ray.rdt.engine.plan import TensorSpec
+from sglang.srt.ray.rdt.engine.receiver import RdtWeightReceiver
+from sglang.srt.ray.rdt.engine.registration import RegistrationBook
 
 ROOT = Path(__file__).resolve().parents[3]
 BENCH = ROOT / "benchmark" / "rdt_weight_sync" / "bench_call_cost.py"

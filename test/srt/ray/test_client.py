@@ -23,7 +23,7 @@ import pytest
 import requests
 import torch
 
-from sglang.srt.ray.rdt.buckets import (
+from sglang.srt.ray.rdt.trainer.buckets import (
     ALIGN,
     TensorItem,
     check_tensors,
@@ -31,9 +31,9 @@ from sglang.srt.ray.rdt.buckets import (
     plan_buckets,
     plan_steps,
 )
-from sglang.srt.ray.rdt.client import WeightSyncClient, WeightSyncRankError
+from sglang.srt.ray.rdt.trainer.client import WeightSyncClient, WeightSyncRankError
 from sglang.srt.ray.rdt.errors import WeightSyncError
-from sglang.srt.ray.rdt.sender import BucketInFlightError, BucketSender, BucketSenderError
+from sglang.srt.ray.rdt.trainer.sender import BucketInFlightError, BucketSender, BucketSenderError
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -50,6 +50,23 @@ def item(name, shape, dtype="float32"):
 # --------------------------------------------------------------------------- #
 # Pure planning
 # --------------------------------------------------------------------------- #
+def test_client_names_are_exported_lazily_from_the_package():
+    import sglang.srt.ray.rdt as rdt
+    from sglang.srt.ray.rdt.trainer.client import WeightSyncClient, WeightSyncRankError
+
+    assert rdt.WeightSyncClient is WeightSyncClient
+    assert issubclass(rdt.WeightSyncRankError, WeightSyncError) and rdt.WeightSyncRankError is WeightSyncRankError
+    with pytest.raises(AttributeError):
+        rdt.NoSuchThing
+
+
+def test_client_bucket_size_defaults_follow_the_bucket_device():
+    from sglang.srt.ray.rdt.trainer.client import default_bucket_bytes
+
+    assert default_bucket_bytes("cuda") == default_bucket_bytes("cuda:1") == 1 << 30
+    assert default_bucket_bytes("cpu") == 256 << 20
+
+
 def test_buckets_keep_order_align_offsets_and_fit_the_size():
     items = [item(f"w{i}", (10, 10)) for i in range(5)] + [item("b", (3,), "bfloat16")]
     buckets = plan_buckets(items, bucket_bytes=1000)
@@ -177,7 +194,7 @@ class FakeMetric:
 
 
 def test_metrics_are_off_until_configured_and_count_pulls_updates_failures():
-    from sglang.srt.ray.rdt import metrics
+    from sglang.srt.ray.rdt.engine import metrics
 
     metrics.configure(False)
     metrics.record_pull({"bytes": 1, "tensors": 1, "seconds": 0.1})  # no-op, no error
@@ -295,8 +312,8 @@ def test_local_sender_keeps_buckets_in_the_callers_process(toy, transport):
     with WeightSyncClient(toy.ranks, names=toy.names, sender="local", bucket_bytes=5000,
                           transport=transport) as client:
         stats = client.update(weights, version=f"local-{transport}")
-        assert client._sender.state()["allocations"] == 1  # both slots, in this process
-        assert client._sender.in_flight() == [None, None]
+        assert client.sender.sender.state()["allocations"] == 1  # both slots, in this process
+        assert client.sender.sender.in_flight() == [None, None]
     assert_ranks_hold(toy, weights)
     assert stats.transport == ("cma" if transport == "SGLANG_IPC" else "nixl")
     assert [ray.get(r.log.remote())["finalized"][-1] for r in toy.ranks] == [f"local-{transport}"] * 2
@@ -379,6 +396,26 @@ def test_tensors_that_do_not_fit_are_rejected_before_any_byte_moves(toy):
         assert ray.get(r.log.remote()) == log
         now = ray.get(r.state.remote())
         assert all(torch.equal(now[n], state[n]) for n in state)
+
+
+def test_a_layout_that_passed_is_checked_again_once_it_changes(toy):
+    """The client skips re-checking an update whose names, shapes and dtypes
+    passed last time; a changed one is checked (and refused) again."""
+    ray = toy.ray
+    ray.get([r.configure.remote(delay_s=0.0, fail=None) for r in toy.ranks])
+    client = toy_client(toy)
+    try:
+        weights = new_weights(seed=16)
+        client.update(weights, version="a")
+        weights2 = new_weights(seed=17)
+        client.update(weights2, version="b")  # same layout: the cached check
+        assert_ranks_hold(toy, weights2)
+        bad = {**weights2, "0.weight": weights2["0.weight"].double()}
+        with pytest.raises(WeightSyncError, match=r"'0.weight' on rank 0 \(fake-0\).*float64"):
+            client.update(bad)
+        assert_ranks_hold(toy, weights2)
+    finally:
+        client.close()
 
 
 class FakeEngine:
@@ -481,7 +518,7 @@ def test_client_updates_a_live_server_and_rejects_bad_tensors_first(
         assert res["meta_info"]["weight_version"] == version
     # Zero copy on the engine; the trainer's buffers were allocated once.
     assert {n: v["data_ptr"] for n, v in client.parameter_layouts(refresh=True)[0].items()} == ptrs
-    assert ray_client.get(client._sender.state.remote())["allocations"] == 1
+    assert ray_client.get(client.sender.sender.state.remote())["allocations"] == 1
     status = requests.get(f"{server.url}/weight_sync/status", timeout=30).json()
     assert (status["weights_consistent"], status["weight_version"], status["updates"]) == (
         True, "c-2", 2)

@@ -99,10 +99,12 @@ def test_wrong_sha256_is_refused(cfg, tmp_path):
 def test_cli_exit_code_and_message_on_bad_patch(tmp_path):
     patches = _copy_patches(tmp_path)
     first = (patches / "series").read_text().split()[0]
-    # A removed line that upstream does not have.
-    (patches / first).write_text(
-        (patches / first).read_text().replace("\n-    ", "\n-    XX", 1)
-    )
+    # A context line of its first hunk that upstream does not have.
+    lines = (patches / first).read_text().split("\n")
+    hunk = next(i for i, line in enumerate(lines) if line.startswith("@@"))
+    ctx = next(i for i in range(hunk + 1, len(lines)) if lines[i][:1] in (" ", "-") and len(lines[i]) > 1)
+    lines[ctx] = lines[ctx][0] + "XX" + lines[ctx][1:]
+    (patches / first).write_text("\n".join(lines))
     proc = subprocess.run(
         [sys.executable, str(REPO / "python" / "fork_build.py"), "--out", str(tmp_path / "o"),
          "--patches-dir", str(patches)],

@@ -130,3 +130,25 @@ def test_engine_actors_live_in_the_requested_namespace_only(launch_server, ray_c
     with pytest.raises(ValueError):
         ray_client.get_actor(name, namespace=ray_head.namespace)
     assert f"namespace '{ns}'" in server.log()
+
+
+def test_rank_placement_group_pins_rank_0_here_and_fails_readably_without_enough_nodes(ray_client):
+    """--ray-placement-strategy's group, on the one-node session cluster."""
+    from sglang.srt.ray.cluster import create_rank_placement_group
+
+    ray = ray_client
+    here = ray.get_runtime_context().get_node_id()
+    before = len(live_placement_groups(ray))
+    pg = create_rank_placement_group("cpu", 3, "STRICT_PACK", timeout_s=60)
+    try:
+        assert pg.bundle_specs == [{"CPU": 1.0}] * 3
+        assert ray.util.placement_group_table(pg)["bundles_to_node_id"] == {0: here, 1: here, 2: here}
+    finally:
+        ray.util.remove_placement_group(pg)
+    # STRICT_SPREAD needs one node per rank: a bounded wait, a message that says
+    # so, and no group left behind.
+    with pytest.raises(RuntimeError, match=r"2 rank bundles with strategy STRICT_SPREAD \(one Ray node per rank"):
+        create_rank_placement_group("cpu", 2, "STRICT_SPREAD", timeout_s=3)
+    wait_until(lambda: len(live_placement_groups(ray)) == before, 30, what="placement group removed")
+    with pytest.raises(ValueError, match="must be one of"):
+        create_rank_placement_group("cpu", 2, "EVERYWHERE", timeout_s=3)

@@ -259,11 +259,20 @@ def test_killing_the_trainer_mid_pull_fails_in_bounded_time_and_marks_inconsiste
         status = ray.get(rank.status.remote(), timeout=30)
         assert status["weights_consistent"] is False
         assert "failed mid-transfer" in status["inconsistent_reason"]
-        # The rank still works: a complete update afterwards is accepted.
+        # The rank still works: a bad update is refused, and the next full
+        # update lands and makes the rank consistent again.
         trainer2 = ToyTrainer.remote(transport)
         (ref2,) = ray.get(trainer2.put_large.remote(n, 1024), timeout=60)
         with pytest.raises(Exception, match="layout mismatch"):
             ray.get(rank.pull.remote([ref2], names), timeout=60)
+        ray.get(rank.finalize.remote(), timeout=60)  # the broken update ends (inconsistent)
+        (ref3,) = ray.get(trainer2.put_large.remote(n, numel), timeout=120)
+        stats = ray.get(rank.pull.remote([ref3], names), timeout=120)
+        assert stats["bytes"] == n * numel * 4
+        status = ray.get(rank.finalize.remote(), timeout=60)
+        assert status["weights_consistent"] is True, status
+        state = ray.get(rank.state.remote(), timeout=120)
+        assert all(bool((state[f"w{i}"] == float(i + 1)).all()) for i in range(n))
         ray.kill(trainer2)
     finally:
         ray.get(rank.disarm_sender_kill.remote(), timeout=60)
@@ -290,6 +299,7 @@ def test_ipc_pull_on_cpu_reads_the_senders_memory_in_place(ipc_pair):
     (ref,) = ray.get(trainer.put.remote(new))
     stats = ray.get(rank.pull.remote([ref], names), timeout=60)
     assert stats["transport"] == "cma"
+    assert stats["direct_refs"] == 1  # read straight into the targets, no ray.get
     assert stats["bytes"] == sum(t.nbytes for t in new)
     state = ray.get(rank.state.remote())
     assert all(torch.equal(state[n], t) for n, t in zip(names, new))
@@ -314,5 +324,20 @@ def test_ipc_falls_back_to_nixl_with_the_reason(ipc_pair):
     (ref,) = ray.get(trainer.put.remote(new))
     stats = ray.get(rank.pull.remote([ref], names), timeout=60)
     assert stats["transport"] == "nixl (SGLANG_RDT_CMA=0)"
+    assert stats["direct_refs"] == 0  # NIXL: through Ray's fetch
     state = ray.get(rank.state.remote())
     assert all(torch.equal(state[n], t) for n, t in zip(names, new))
+
+
+def test_gc_stays_off_from_the_first_pull_until_the_update_ends(ipc_pair):
+    """A full collection (75-107 ms on a GPU host) must not land inside an
+    update: the rank turns automatic collection off at its first pull and
+    back on when the update ends."""
+    ray, rank, trainer = ipc_pair
+    assert ray.get(rank.gc_enabled.remote())
+    names, new = _new_weights(14)
+    (ref,) = ray.get(trainer.put.remote(new))
+    ray.get(rank.pull.remote([ref], names), timeout=60)
+    assert not ray.get(rank.gc_enabled.remote())
+    ray.get(rank.finalize.remote(), timeout=60)
+    assert ray.get(rank.gc_enabled.remote())

@@ -64,3 +64,18 @@ def test_ray_flags_parse():
     assert a.enable_rdt_weight_sync is True
     d = prepare_server_args(BASE)
     assert (d.ray_namespace, d.ray_address, d.enable_rdt_weight_sync) == (None, None, False)
+
+
+def test_placement_strategy_flag_parses_and_needs_the_ray_backend(capsys):
+    a = prepare_server_args(BASE + ["--backend", "ray", "--ray-placement-strategy", "STRICT_SPREAD"])
+    assert a.ray_placement_strategy == "STRICT_SPREAD"
+    assert prepare_server_args(BASE + ["--backend", "ray"]).ray_placement_strategy is None
+    with pytest.raises(SystemExit) as e:
+        prepare_server_args(BASE + ["--backend", "ray", "--ray-placement-strategy", "EVERYWHERE"])
+    assert e.value.code == 2 and "STRICT_SPREAD" in capsys.readouterr().err
+    # Checked with the other Ray backend checks (ServerArgs.check_server_args).
+    from sglang.srt.arg_groups.ray_backend_checks import check_weight_sync_args
+
+    check_weight_sync_args(a)
+    with pytest.raises(ValueError, match="--ray-placement-strategy needs the Ray backend"):
+        check_weight_sync_args(prepare_server_args(BASE + ["--ray-placement-strategy", "SPREAD"]))

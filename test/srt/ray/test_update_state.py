@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from sglang.srt.ray.rdt.errors import WeightUpdateConflictError
-from sglang.srt.ray.rdt.update_state import RankUpdateState, Writer, format_update
+from sglang.srt.ray.rdt.engine.update_state import RankUpdateState, Writer, format_update
 
 A = Writer("actor:aaa", "actor TrainerA(aaa)")
 B = Writer("actor:bbb", "actor TrainerB(bbb)")
@@ -41,7 +41,7 @@ def test_one_writer_update_is_summed_and_logged(caplog):
     _pull(st, ["w3"], A)
     now[0] = 102.0
     version["v"] = "v7"
-    with caplog.at_level(logging.INFO, logger="sglang.srt.ray.rdt.update_state"):
+    with caplog.at_level(logging.INFO, logger="sglang.srt.ray.rdt.engine.update_state"):
         s = st.end()
     assert (s["pulls"], s["tensors"], s["bytes"], s["weight_version"]) == (2, 3, 200, "v7")
     assert (s["params_updated"], s["params_total"], s["writers"], s["rewrites"]) == (3, 4, 1, 0)

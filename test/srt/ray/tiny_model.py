@@ -60,30 +60,59 @@ def build_tokenizer(path: Path):
     return fast
 
 
-def build_tiny_model(path, seed: int = 0) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+# Other families for native-model tests: the same sizes, their own quirks
+# (Qwen3: q/k norms; Qwen3-MoE: 4 experts of width 32, top-2, every layer).
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [],
+         "norm_topk_prob": True},
+    ),
+}
 
+
+def build_tiny_model(path, seed: int = 0, family: str = "llama") -> Path:
+    """A random ``family`` model (see FAMILIES) + tokenizer at ``path``."""
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(path)
-    config = LlamaConfig(
+    config = getattr(transformers, config_cls)(
         vocab_size=len(tok),
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         torch_dtype="float32",
         **CONFIG,
+        **extra,
     )
+    config.architectures = [model_cls]
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = getattr(transformers, model_cls)(config)
     model.save_pretrained(str(path), safe_serialization=True)
     return path
 
 
-def load_hf(path, state_dict: Dict[str, torch.Tensor] | None = None):
-    from transformers import LlamaForCausalLM
+def checkpoint_state_dict(path) -> Dict[str, torch.Tensor]:
+    """The tensors of the checkpoint at ``path`` under their stored (HF) names."""
+    from safetensors.torch import load_file
 
-    model = LlamaForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
+    out: Dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def load_hf(path, state_dict: Dict[str, torch.Tensor] | None = None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
     if state_dict is not None:
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
         assert not unexpected, unexpected

@@ -1,0 +1,94 @@
+"""The rank core (rdt/engine/rank_sync.py) around a plain model: the same code a
+SchedulerActor runs, driven through its scheduler-facing port
+(rdt/engine/standalone.py). Real pulls through it are in test_client.py
+(FakeRank) and the server tests."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from sglang.srt.ray.rdt.engine.rank_sync import NOT_PAUSED, failure_kind
+from sglang.srt.ray.rdt.engine.standalone import standalone_rank
+from sglang.srt.ray.rdt.errors import (
+    WeightsInconsistentError,
+    WeightSyncError,
+    WeightUpdateConflictError,
+)
+
+
+@pytest.fixture
+def rank():
+    model = torch.nn.Linear(4, 2)
+    sync = standalone_rank(model, rank="test", pull_timeout_s=5)
+    yield sync
+    sync.loop.stop()
+    sync.shutdown()
+
+
+def test_failure_kinds_of_pull_errors():
+    # Broken transfers and conflicts are counted by the update state itself.
+    assert failure_kind(WeightsInconsistentError("torn")) is None
+    assert failure_kind(WeightUpdateConflictError("two writers")) is None
+    assert failure_kind(WeightSyncError("bad name")) == "rejected"
+    assert failure_kind(TimeoutError("slow")) == "other"
+
+
+def test_work_runs_on_the_loop_thread_not_the_callers(rank):
+    seen = []
+    rank.port.named_parameters = lambda: (seen.append(threading.get_ident()) or iter(()))
+    rank.parameter_checksums()
+    assert seen and seen[0] == rank.loop._thread.ident != threading.get_ident()
+
+
+def test_pull_is_refused_unless_paused_or_in_a_session_and_counted(rank):
+    with pytest.raises(WeightSyncError, match=NOT_PAUSED) as e:
+        rank.pull([object()], ["weight"])
+    assert "POST /pause_generation" in str(e.value)  # the message names the fix
+    assert rank.state.status()["failures"] == {"rejected": 1}
+    # paused: the call itself is checked next (before any byte moves)
+    rank.port.is_paused = True
+    with pytest.raises(WeightSyncError, match="expected a ray.ObjectRef"):
+        rank.pull([object()], ["weight"])
+    assert rank.state.status()["failures"] == {"rejected": 2}
+
+
+def test_a_busy_rank_refuses_even_when_paused(rank):
+    rank.port.is_paused = True
+    rank.port.idle = lambda: False
+    with pytest.raises(WeightSyncError, match="a batch is still running"):
+        rank.pull([object()], ["weight"])
+
+
+def test_session_lifecycle_through_the_port(rank):
+    assert rank.begin() == {"success": True}
+    assert rank.port.is_session_open and rank.state.update_open
+    out = rank.finalize(weight_version="v7")
+    assert out["success"] and out["weight_version"] == "v7"
+    assert not rank.port.is_session_open and not rank.state.update_open
+    st = rank.status()
+    assert st["weights_consistent"] and st["weight_version"] == "v7" and st["updates"] == 1
+    assert rank.stats()["last_update"]["weight_version"] == "v7"
+
+
+def test_finalize_without_pause_or_session_is_refused(rank):
+    with pytest.raises(WeightSyncError, match="refusing to finalize while generation may run"):
+        rank.finalize("v1")
+    assert rank.port.version is None  # refused before the version moved
+    assert rank.state.status()["updates"] == 0
+
+
+def test_abort_closes_the_session_without_a_version(rank):
+    rank.begin()
+    status = rank.abort("trainer died")
+    assert not rank.port.is_session_open and not rank.state.update_open
+    assert status["weights_consistent"]  # nothing was written
+    assert rank.port.version is None
+
+
+def test_layout_names_every_parameter(rank):
+    layout = rank.parameter_layout()
+    assert set(layout) == {"weight", "bias"}
+    assert layout["weight"]["shape"] == [2, 4] and layout["weight"]["dtype"] == "float32"

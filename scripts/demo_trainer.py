@@ -2,7 +2,7 @@
 
 It is what an RL trainer does, in miniature: roll out on the engine (greedy
 ``/generate``), train a few steps, push the new weights into the running engine
-(:class:`sglang.srt.ray.rdt.client.WeightSyncClient`), roll out again. The model
+(:class:`sglang.srt.ray.rdt.trainer.client.WeightSyncClient`), roll out again. The model
 is the tiny local Llama of ``test/srt/ray/tiny_model.py``, trained on that
 file's small corpus, so the engine's output turns from noise into the corpus.
 
@@ -58,7 +58,7 @@ def main() -> int:
     import transformers
     from transformers import AutoTokenizer
 
-    from sglang.srt.ray.rdt.client import WeightSyncClient
+    from sglang.srt.ray.rdt.trainer.client import WeightSyncClient
     from tiny_model import CORPUS, load_hf
 
     transformers.utils.logging.disable_progress_bar()

@@ -6,7 +6,7 @@ One run measures, for each workload (``uniform``: N equal bf16 tensors;
 sglang's fused layout), with the sender on one device and the receiver on
 another, each in its own Ray actor:
 
-* ``pull``: :class:`sglang.srt.ray.rdt.receiver.RdtWeightReceiver` — the code
+* ``pull``: :class:`sglang.srt.ray.rdt.engine.receiver.RdtWeightReceiver` — the code
   ``SchedulerActor.pull_weights`` runs — pulling one NIXL ref into registered
   live tensors: the cold first pull right after ``register()`` and the median
   of steady pulls, with a stage breakdown (plan, remote-agent load, descriptor
@@ -16,10 +16,10 @@ another, each in its own Ray actor:
   each tensor is broadcast with ``async_op=True``, then copied into the
   parameters (``load_weights``);
 * ``ipc``: the same receiver pulling a ref put with the ``SGLANG_IPC``
-  transport (:mod:`sglang.srt.ray.rdt.cuda_ipc_transport`): CUDA IPC + copy
+  transport (:mod:`sglang.srt.ray.rdt.transport.sglang_ipc`): CUDA IPC + copy
   engine on one node (cold, steady, variants of ``--ipc-variants``, and with
   the handle cache off); on CPU the same transport reads the sender's memory
-  with ``process_vm_readv`` (:mod:`sglang.srt.ray.rdt.cma`), with the default
+  with ``process_vm_readv`` (:mod:`sglang.srt.ray.rdt.transport.cma`), with the default
   reader threads, then 1 and 2;
 * the ceiling: copies of same-shaped tensors between the two devices in the
   driver process (CUDA: one tensor, a per-tensor loop with torch, raw copy
@@ -34,6 +34,11 @@ Examples::
 
     # GPU (two GPUs): everything, ~60 s on two H200s (docs/performance.md)
     python benchmark/rdt_weight_sync/bench_pull.py --device cuda --steady 7
+    # one GPU, trainer and engine colocated (docs/performance.md, "Same GPU"):
+    # the client zero-copy and with buckets, miles' loop, per-call cost
+    python benchmark/rdt_weight_sync/bench_pull.py --device cuda --same-gpu --steady 7 \
+        --client-rounds 20 --client-transports SGLANG_IPC,SGLANG_IPC:buckets \
+        --miles-rounds 8 --call-cost 200 --ipc-variants dst:4:ce,dst:1:batch,dst:2:ce,dst:1:ce
     # CPU (CI smoke test): NIXL over DRAM and process_vm_readv vs memcpy, small
     python benchmark/rdt_weight_sync/bench_pull.py --device cpu --uniform 8x1
 
@@ -111,6 +116,58 @@ def light_sglang() -> None:
         if parent is not None:
             setattr(parent, name.rsplit(".", 1)[1], m)
         parent = m
+    if not any(os.path.exists(os.path.join(r, "srt", "environ.py")) for r in roots):
+        sys.modules["sglang.srt.environ"] = fork_envs_module(roots)
+
+
+ENV_PATCH = "*-environ-ray-and-rdt-variables.patch"  # in patches/, numbered by the series
+
+
+def fork_envs_module(roots):
+    """``sglang.srt.environ`` where no sglang is installed (the GPU machine):
+    only the fork's Ray/RDT variables, declared as patch 0013 declares them
+    (name, type, default), read from the environment like sglang's ``envs``."""
+    import re
+    import types
+
+    import glob
+
+    patch = None
+    for r in roots:
+        found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(r)), "patches", ENV_PATCH)))
+        if found:
+            patch = found[-1]
+    if patch is None:
+        raise RuntimeError(f"no sglang.srt.environ and no patches/{ENV_PATCH} next to {roots}")
+
+    class Env:
+        def __init__(self, name, kind, default):
+            self.name, self.kind, self.default = name, kind, default
+
+        def get(self):
+            raw = os.environ.get(self.name)
+            if raw is None:
+                return self.default
+            if self.kind == "EnvBool":
+                return raw.strip().lower() in ("1", "true", "yes", "on")
+            if self.kind == "EnvInt":
+                return int(raw)
+            if self.kind == "EnvFloat":
+                return float(raw)
+            return raw
+
+    class Envs:
+        pass
+
+    envs = Envs()
+    for line in open(patch):
+        m = re.match(r"^\+\s+(SGLANG_\w+) = (Env\w+)\((.*)\)\s*$", line)
+        if m:
+            name, kind, default = m.group(1), m.group(2), eval(m.group(3))  # literals only
+            setattr(envs, name, Env(name, kind, default))
+    mod = types.ModuleType("sglang.srt.environ")
+    mod.envs = envs
+    return mod
 
 
 # --------------------------------------------------------------------------- #
@@ -286,6 +343,13 @@ def get(refs, timeout: Optional[float] = None):
     return ray.get(refs, timeout=GET_TIMEOUT_S if timeout is None else timeout)
 
 
+def gpu_share(args) -> float:
+    """GPUs each actor asks for: 1, or half of GPU 0 when colocated."""
+    if args.device != "cuda":
+        return 0
+    return 0.5 if args.same_gpu else 1
+
+
 def transport_name(kind: str) -> str:
     return "nixl" if kind == "nixl" else "SGLANG_IPC"
 
@@ -293,21 +357,43 @@ def transport_name(kind: str) -> str:
 # --------------------------------------------------------------------------- #
 # Actors
 # --------------------------------------------------------------------------- #
+class GcLog:
+    """Python garbage collections of this process, as (start, seconds, generation)."""
+
+    def __init__(self):
+        import gc
+
+        self.events: List[Tuple[float, float, int]] = []
+        self._t0 = None
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase, info):
+        now = time.perf_counter()
+        if phase == "start":
+            self._t0 = now
+        elif self._t0 is not None:
+            self.events.append((self._t0, now - self._t0, int(info.get("generation", -1))))
+            self._t0 = None
+
+    def between(self, t0: float, t1: float) -> List[Tuple[float, float, int]]:
+        return [e for e in self.events if t0 <= e[0] <= t1]
+
+
 class _Side:
     def _setup(self, specs, device_kind: str, register_ipc: bool):
         import faulthandler
 
         faulthandler.enable()  # a crash leaves a Python stack in the worker's .err log
         light_sglang()
-        from sglang.srt.ray.rdt.nixl_progress import configure_nixl_progress_thread
+        from sglang.srt.ray.rdt.transport.nixl_progress import configure_nixl_progress_thread
 
         # as the product's processes do (SGLANG_RDT_NIXL_PROGRESS_DELAY_US=0 via
         # --actor-env measures NIXL's own busy-polling progress thread)
         configure_nixl_progress_thread()
         if register_ipc:
-            from sglang.srt.ray.rdt import cuda_ipc_transport
+            from sglang.srt.ray.rdt.transport import sglang_ipc
 
-            cuda_ipc_transport.register()
+            sglang_ipc.register()
         if device_kind == "cuda":
             idx = int(ray.get_gpu_ids()[0])
             self.device = torch.device("cuda", idx)
@@ -331,6 +417,20 @@ class _Side:
         sync(self.device)
         bad = self.pattern.check(self.tensors, seed)
         return {"ok": not bad, "bad": [self.names[i] for i in bad[:5]], "nbad": len(bad)}
+
+    def mem_mark(self):
+        """Start measuring this process's extra GPU memory (torch allocator)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._mem_base = torch.cuda.memory_allocated(self.device)
+        return True
+
+    def mem_peak(self):
+        """Peak allocated bytes since mem_mark, over what was allocated then."""
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.max_memory_allocated(self.device) - self._mem_base
 
     def where(self):
         return {"device": str(self.device), "pid": os.getpid(),
@@ -441,7 +541,7 @@ class Sender(_Side):
 class Receiver(_Side):
     def __init__(self, specs, device_kind, register_ipc=False, pull_timeout_s=120.0):
         self._setup(specs, device_kind, register_ipc)
-        from sglang.srt.ray.rdt.receiver import RdtWeightReceiver
+        from sglang.srt.ray.rdt.engine.receiver import RdtWeightReceiver
 
         params = dict(zip(self.names, self.tensors))
         self.receiver = RdtWeightReceiver(
@@ -468,36 +568,41 @@ class Receiver(_Side):
     def accept_ipc_refs(self):
         """Nothing to change since receiver.py accepts SGLANG_IPC refs itself;
         kept so older drivers work. Returns the transports it accepts."""
-        from sglang.srt.ray.rdt.receiver import PULLABLE_TRANSPORTS
+        from sglang.srt.ray.rdt.defaults import PULLABLE_TRANSPORTS
 
         return list(PULLABLE_TRANSPORTS)
 
     def ipc_config(self, cache=None, engine=None, streams=None, method=None):
-        from sglang.srt.ray.rdt import cuda_ipc_transport
+        from sglang.srt.ray.rdt.transport import sglang_ipc
 
-        t = cuda_ipc_transport.transport()
+        t = sglang_ipc.transport()
         if cache is not None:
-            t.cache_mappings = cache
+            t.cuda_ipc.cache.enabled = cache
             if not cache:
-                cuda_ipc_transport.close_ipc_mappings()
-        if engine is not None and engine != t.engine:
-            cuda_ipc_transport.close_ipc_mappings()  # mappings live in the engine's context
-            t.engine = engine
+                sglang_ipc.close_ipc_mappings()
+        if engine is not None and engine != t.cuda_ipc.engine:
+            sglang_ipc.close_ipc_mappings()  # mappings live in the engine's context
+            t.cuda_ipc.engine = engine
         if streams is not None:
-            t.nstreams = streams
+            t.cuda_ipc.nstreams = streams
+            if hasattr(t.cuda_ipc, "same_gpu_streams"):
+                t.cuda_ipc.same_gpu_streams = streams
             if self.device.type == "cpu":  # on CPU: reader threads of process_vm_readv
-                from sglang.srt.ray.rdt.cma import CmaReader
+                from sglang.srt.ray.rdt.transport.cma import CmaReader
 
-                if t._cma_reader is not None:
-                    t._cma_reader.close()
-                t._cma_reader = CmaReader(threads=streams)
+                if t.cma._reader is not None:
+                    t.cma._reader.close()
+                t.cma._reader = CmaReader(threads=streams)
+        ipc = t.cuda_ipc
         if method is not None:
-            t.method = method
+            ipc.method = method
+            if hasattr(ipc, "same_gpu_method"):
+                ipc.same_gpu_method = method
         if self.device.type == "cpu":
-            return {"engine": "cma", "streams": t._cma_reader.threads if t._cma_reader else t.nstreams,
+            return {"engine": "cma", "streams": t.cma.reader().threads,
                     "method": "process_vm_readv", "cache": False, **t.mapping_stats()}
-        return {"engine": t.engine, "streams": t.nstreams, "method": t.method, "cache": t.cache_mappings,
-                **t.mapping_stats()}
+        return {"engine": ipc.engine, "streams": ipc.nstreams, "method": ipc.method,
+                "cache": ipc.cache.enabled, **t.mapping_stats()}
 
     def pointers(self):
         return [t.data_ptr() for t in self.tensors]
@@ -523,12 +628,12 @@ class Receiver(_Side):
             stats["peak_extra_bytes"] = torch.cuda.max_memory_allocated(dev) - base
             stats["device_used_delta_bytes"] = free0 - torch.cuda.mem_get_info(dev)[0]
         if kind == "ipc":
-            from sglang.srt.ray.rdt import cuda_ipc_transport
+            from sglang.srt.ray.rdt.transport import sglang_ipc
 
-            info = cuda_ipc_transport.fetch_info(refs[-1]) or cuda_ipc_transport.last_fetch()
-            stats["transport"] = f"{cuda_ipc_transport.TRANSPORT_NAME}/{info.path}"
+            info = sglang_ipc.fetch_info(refs[-1]) or sglang_ipc.last_fetch()
+            stats["transport"] = f"{sglang_ipc.TRANSPORT_NAME}/{info.path}"
             stats["ipc"] = dict(info.__dict__)
-            stats["ipc_mappings"] = cuda_ipc_transport.transport().mapping_stats()
+            stats["ipc_mappings"] = sglang_ipc.transport().mapping_stats()
         return stats
 
     def nccl_recv(self, bucket_bytes: int, iters: int):
@@ -600,21 +705,42 @@ def cuda_ceilings(specs, src_idx: int, dst_idx: int, reps: int, streams: List[in
             d.copy_(s, non_blocking=True)
         sync_both()
 
+    same = src_idx == dst_idx
+    kind = "device copy" if same else "peer copy"
     t, ts = median_time(torch_loop, reps)
-    out["torch_per_tensor"] = {"seconds": t, "all": ts, "label": "peer copy, per-tensor loop (torch copy_)"}
+    out["torch_per_tensor"] = {"seconds": t, "all": ts, "label": f"{kind}, per-tensor loop (torch copy_)"}
     out["torch_per_tensor_bytes_ok"] = copied_ok(torch_loop)
+    if same:
+        # the loop split over two streams (a same-GPU copy is SM/HBM bound, one
+        # stream leaves gaps between tensors)
+        st2 = [torch.cuda.Stream(device=d1) for _ in range(2)]
+
+        def torch_loop2():
+            cur = torch.cuda.current_stream(d1)
+            for s in st2:
+                s.wait_stream(cur)
+            for i, (d, s_) in enumerate(zip(dst, src)):
+                with torch.cuda.stream(st2[i % 2]):
+                    d.copy_(s_, non_blocking=True)
+            for s in st2:
+                s.synchronize()
+
+        t, ts = median_time(torch_loop2, reps)
+        out["torch_per_tensor_2str"] = {"seconds": t, "all": ts,
+                                        "label": f"{kind}, per-tensor loop, 2 streams (torch copy_)"}
 
     try:
-        from sglang.srt.ray.rdt import cuda_ipc_transport as cit
+        from sglang.srt.ray.rdt.transport import copy_plan, cuda_driver as cit
 
         drv = cit.driver()
-        drv.enable_peer_access(dst_idx, src_idx)
-        drv.enable_peer_access(src_idx, dst_idx)
+        if not same:
+            drv.enable_peer_access(dst_idx, src_idx)
+            drv.enable_peer_access(src_idx, dst_idx)
         pairs = [(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size()) for d, s in zip(dst, src)]
-        for engine, eng_idx in (("pull", dst_idx), ("push", src_idx)):
+        for engine, eng_idx in ((("pull", dst_idx),) if same else (("pull", dst_idx), ("push", src_idx))):
             for k in streams:
                 strs = [torch.cuda.Stream(device=eng_idx) for _ in range(k)]
-                queues = cit.spread(pairs, k)
+                queues = copy_plan.spread(pairs, k)
 
                 def ce_loop():
                     drv.push(eng_idx)
@@ -676,7 +802,7 @@ def cuda_ceilings(specs, src_idx: int, dst_idx: int, reps: int, streams: List[in
         sync_both()
 
     t, ts = median_time(one, reps)
-    out["torch_one_tensor"] = {"seconds": t, "all": ts, "label": "peer copy, one tensor (torch copy_)"}
+    out["torch_one_tensor"] = {"seconds": t, "all": ts, "label": f"{kind}, one tensor (torch copy_)"}
     del bs, bd
     torch.cuda.empty_cache()
     return out
@@ -712,60 +838,88 @@ def cpu_ceilings(specs, reps: int) -> Dict[str, Any]:
     return out
 
 
-@ray.remote(num_cpus=0, max_concurrency=2, enable_tensor_transport=True)
+class FlatModel(torch.nn.Module):
+    """A "model" whose parameters are the given tensors under the given names
+    (names with dots, as a real model's; no copies)."""
+
+    def __init__(self, names, tensors):
+        super().__init__()
+        self._flat = [(n, torch.nn.Parameter(t, requires_grad=False)) for n, t in zip(names, tensors)]
+
+    def named_parameters(self, *args, **kwargs):
+        return iter(self._flat)
+
+
+# The SchedulerActor's Ray options (actor_options.RDT_ACTOR_MAX_CONCURRENCY).
+RANK_MAX_CONCURRENCY = 8
+
+
+@ray.remote(num_cpus=0, max_concurrency=RANK_MAX_CONCURRENCY, enable_tensor_transport=True)
 class ClientRank(_Side):
-    """A rollout rank as ``WeightSyncClient`` sees it: the SchedulerActor's
-    weight-sync API over the same ``RdtWeightReceiver``. ``finalize`` ends the
-    update as the engine does (cached IPC mappings closed), so every update's
-    first bucket re-opens them."""
+    """A rollout rank as ``WeightSyncClient`` sees it, on the SchedulerActor's
+    own code path: the rank core (:class:`RankWeightSync`) behind a
+    :class:`ModelPort`, every pull/finalize hopping to a serving loop thread
+    through the same safe-point queue sglang's event loop serves
+    (``engine/standalone.py``). Generation is "paused" (as an engine is after
+    ``/pause_generation``), so the client finalizes each update itself, as it
+    does against a paused engine."""
 
     def __init__(self, specs, device_kind):
         self._setup(specs, device_kind, True)
-        from sglang.srt.ray.rdt.receiver import RdtWeightReceiver
+        from sglang.srt.ray.rdt.engine.standalone import standalone_rank
+        from sglang.srt.ray.rdt.transport import sglang_ipc
 
-        params = dict(zip(self.names, self.tensors))
-        self.receiver = RdtWeightReceiver(
-            lambda: params, device=self.device if self.device.type == "cuda" else None,
-            pull_timeout_s=120.0,
+        self.sync = standalone_rank(
+            FlatModel(self.names, self.tensors),
+            device=self.device if self.device.type == "cuda" else None,
+            pull_timeout_s=120.0, transports=["NIXL", sglang_ipc.register()],
         )
+        self.sync.port.is_paused = True
         self.pulls: List[Dict[str, Any]] = []
+        self.gclog = GcLog()
 
     def register_weight_for_rdt(self):
-        return self.receiver.register()
+        return self.sync.receiver.register()
 
     def get_parameter_layout(self):
-        return {n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                    "data_ptr": t.data_ptr()} for n, t in zip(self.names, self.tensors)}
+        return self.sync.parameter_layout()
 
     def get_parallelism_config(self):
         return {"rank": 0, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
                 "device": self.device.type}
 
     def get_weight_sync_status(self):
-        return {**self.receiver.status(), "transports": ["NIXL", "SGLANG_IPC"]}
+        return self.sync.status()
 
     def pull_weights(self, refs, names, timeout=None):
-        stats = self.receiver.pull(refs, names, timeout)
-        from sglang.srt.ray.rdt import cuda_ipc_transport
+        t_enter = time.perf_counter()
+        stats = self.sync.pull(refs, names, timeout)
+        from sglang.srt.ray.rdt.transport import sglang_ipc
 
-        info = cuda_ipc_transport.fetch_info(refs[0])
+        info = sglang_ipc.fetch_info(refs[0])
         if info is not None:
             stats = {**stats, "ipc": {k: getattr(info, k) for k in (
                 "path", "opened", "reused", "open_seconds", "copy_seconds", "seconds", "plan")}}
+        stats["t_enter"] = t_enter
+        stats["t_exit"] = time.perf_counter()
         self.pulls.append(stats)
         return stats
 
+    def noop(self):
+        """A call that does no weight work on this actor (the fixed-cost baseline)."""
+        return {"t": time.perf_counter()}
+
+    def gc_between(self, t0, t1):
+        return self.gclog.between(t0, t1)
+
     def finalize_weight_update(self, weight_version=None, flush_cache=True):
-        self.receiver.state.end()
-        self.receiver.end_of_update()
-        return {"success": True, "weight_version": weight_version}
+        return self.sync.finalize(weight_version, flush_cache)
 
     def release_weight_sync_mappings(self, sender_token=None):
-        return self.receiver.release_sender(sender_token)
+        return self.sync.receiver.release_sender(sender_token)
 
     def abort_weight_update(self, reason="aborted"):
-        self.receiver.end_of_update()
-        return self.receiver.state.abort(reason)
+        return self.sync.abort(reason)
 
     def take_pulls(self):
         out, self.pulls = self.pulls, []
@@ -779,17 +933,199 @@ class ClientTrainer(_Side):
 
     def __init__(self, specs, device_kind):
         self._setup(specs, device_kind, True)
+        self.gclog = GcLog()
+
+    def _instrument(self, client, events: List[Tuple[str, float, float]]):
+        """Stamp the client's sender calls (fill = slot copy + put), the
+        device wait of each fill's copy, the put itself, and its waits on the
+        ranks' pulls (``_gather``), on this host's perf_counter clock."""
+        dev = self.device
+
+        def stamp(label, fn):
+            def timed(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    events.append((label if not a or not isinstance(a[0], str) else f"{label}:{a[0]}",
+                                   t0, time.perf_counter()))
+            return timed
+
+        pipe = client.pipeline
+        pipe.sender_call = stamp("sender", pipe.sender_call)
+        gather = pipe.gather
+
+        def timed_gather(calls, phase, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return gather(calls, phase, *a, **k)
+            finally:  # waits on bucket pulls vs on other calls (finalize, status)
+                events.append(("gather" if str(phase).startswith("pull") else "gather_other",
+                               t0, time.perf_counter()))
+
+        pipe.gather = timed_gather
+        client._gather = timed_gather  # the zero-copy path gathers through the client
+        from sglang.srt.ray.rdt.trainer import client as client_mod
+
+        if hasattr(client_mod, "_put_direct"):
+            orig_direct = getattr(client_mod._put_direct, "_orig", client_mod._put_direct)
+
+            def put_direct(tensors):
+                t0 = time.perf_counter()
+                try:
+                    return orig_direct(tensors)
+                finally:
+                    events.append(("put", t0, time.perf_counter()))
+
+            put_direct._orig = orig_direct
+            client_mod._put_direct = put_direct
+        client.session.begin = stamp("begin", client.session.begin)
+        client.session.end = stamp("end", client.session.end)
+        sender = client.sender.sender
+        if sender is not None and not isinstance(sender, ray.actor.ActorHandle):
+            orig_put = sender._do_put
+
+            def put(tensors):
+                t0 = time.perf_counter()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)  # the slot copy, issued by fill
+                t1 = time.perf_counter()
+                try:
+                    return orig_put(tensors)
+                finally:
+                    t2 = time.perf_counter()
+                    events.append(("copy_wait", t0, t1))
+                    events.append(("put", t1, t2))
+
+            sender._do_put = put
+
+    def miles(self, rank, bucket_bytes: int, rounds: int, seed0: int, transport: str = "SGLANG_IPC"):
+        """miles' trainer loop, by hand: one registered bucket buffer; per
+        bucket, stage the (HF-layout) tensors into it, synchronize, ray.put
+        the views, pull_weights on the rank, wait for it; then finalize."""
+        from ray.experimental import register_nixl_memory
+
+        from sglang.srt.ray.rdt.transport import sglang_ipc
+
+        sglang_ipc.register()
+        buckets, cur, size = [], [], 0
+        for i, t in enumerate(self.tensors):
+            n = (t.numel() * t.element_size() + 255) // 256 * 256
+            if cur and size + n > bucket_bytes:
+                buckets.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += n
+        if cur:
+            buckets.append(cur)
+        cap = max(sum((self.tensors[i].numel() * self.tensors[i].element_size() + 255) // 256 * 256
+                      for i in b) for b in buckets)
+        buf = torch.empty(cap, dtype=torch.uint8, device=self.device)
+        register_nixl_memory(buf)
+        views = []
+        for b in buckets:
+            off, vs = 0, []
+            for i in b:
+                t = self.tensors[i]
+                nb = t.numel() * t.element_size()
+                vs.append(buf[off:off + nb].view(t.dtype).view(t.shape))
+                off += (nb + 255) // 256 * 256
+            views.append(vs)
+        ray.get(rank.register_weight_for_rdt.remote())
+        out = []
+        for r in range(rounds):
+            seed = seed0 + r
+            self.pattern.fill(self.tensors, seed)
+            sync(self.device)
+            ray.get(rank.poison.remote(seed))
+            per = {"stage": 0.0, "sync": 0.0, "put": 0.0, "pull_call": 0.0}
+            t_up = time.perf_counter()
+            for b, vs in zip(buckets, views):
+                t0 = time.perf_counter()
+                for i, v in zip(b, vs):
+                    v.copy_(self.tensors[i])
+                t1 = time.perf_counter()
+                sync(self.device)
+                t2 = time.perf_counter()
+                ref = ray.put(vs, _tensor_transport=transport_name(transport))
+                t3 = time.perf_counter()
+                ray.get(rank.pull_weights.remote([ref], [self.names[i] for i in b]))
+                t4 = time.perf_counter()
+                per["stage"] += t1 - t0
+                per["sync"] += t2 - t1
+                per["put"] += t3 - t2
+                per["pull_call"] += t4 - t3
+                del ref
+            t_tr = time.perf_counter() - t_up
+            fin = ray.get(rank.finalize_weight_update.remote(f"m{r}"))
+            t_all = time.perf_counter() - t_up
+            nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
+            out.append({"bytes": nbytes, "buckets": len(buckets), "transfer_seconds": t_tr,
+                        "seconds": t_all, "gbps": nbytes / t_tr / GB, "per": per,
+                        "check": ray.get(rank.verify.remote(seed)),
+                        "ok": bool(fin.get("success"))})
+        ray.get(rank.take_pulls.remote())
+        return {"updates": out}
+
+    def call_cost(self, rank, calls: int, transport: str = "SGLANG_IPC"):
+        """The fixed cost of one ``pull_weights`` call on the rank core: ``calls``
+        pulls of the workload's smallest tensor (a fresh ref each, as miles
+        puts per bucket), next to as many no-op calls of the same actor, with
+        every stage's stamp (perf_counter: one clock for the host)."""
+        i = min(range(len(self.tensors)), key=lambda k: self.tensors[k].numel() * self.tensors[k].element_size())
+        name, t = self.names[i], self.tensors[i]
+        ray.get(rank.register_weight_for_rdt.remote())
+        for _ in range(5):  # warm-up: plans, mappings, Ray's code paths
+            ray.get(rank.noop.remote())
+            ref = ray.put([t], _tensor_transport=transport_name(transport))
+            ray.get(rank.pull_weights.remote([ref], [name]))
+        ray.get(rank.take_pulls.remote())
+        noop, rows = [], []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            ray.get(rank.noop.remote())
+            noop.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ref = ray.put([t], _tensor_transport=transport_name(transport))
+            t1 = time.perf_counter()
+            st = ray.get(rank.pull_weights.remote([ref], [name]))
+            t2 = time.perf_counter()
+            tm = st["timing"]
+            rows.append({
+                "put": t1 - t0, "call": t2 - t1,
+                "dispatch": st["t_enter"] - t1,
+                "to_loop": tm["started"] - tm["queued"],
+                "enter_to_queue": tm["queued"] - st["t_enter"],
+                "pull": tm["pull_end"] - tm["pull_start"],
+                "loop_other": (tm["finished"] - tm["started"]) - (tm["pull_end"] - tm["pull_start"]),
+                "back_from_loop": tm["resumed"] - tm["finished"],
+                "actor_after": st["t_exit"] - tm["resumed"],
+                "reply": t2 - st["t_exit"],
+                "stages": st.get("stages", {}),
+                "copy": (st.get("ipc") or {}).get("copy_seconds", 0.0),
+                "bytes": st["bytes"],
+            })
+            del ref
+        ray.get(rank.finalize_weight_update.remote("callcost"))
+        ray.get(rank.take_pulls.remote())
+        return {"name": name, "bytes": t.numel() * t.element_size(), "noop": noop, "pulls": rows}
 
     def run(self, rank, transport: str, bucket_bytes: int, rounds: int, seed0: int):
-        from sglang.srt.ray.rdt.client import WeightSyncClient
+        from sglang.srt.ray.rdt.trainer.client import WeightSyncClient
 
+        transport, _, export = transport.partition(":")
+        kw = {"export": export} if export else {}
         client = WeightSyncClient(
             [rank], names=["bench-rank"], sender="local", device=str(self.device),
-            bucket_bytes=bucket_bytes, transport=transport,
+            bucket_bytes=bucket_bytes, transport=transport, **kw,
         )
+        self.mem_mark()
         t0 = time.perf_counter()
         client.register()
         register_s = time.perf_counter() - t0
+        register_extra = self.mem_peak()
+        events: List[Tuple[str, float, float]] = []
+        self._instrument(client, events)
         out = []
         try:
             for r in range(rounds):
@@ -797,21 +1133,34 @@ class ClientTrainer(_Side):
                 self.pattern.fill(self.tensors, seed)
                 sync(self.device)
                 ray.get(rank.poison.remote(seed))
+                ray.get(rank.mem_mark.remote())
+                events.clear()
+                t_up0 = time.perf_counter()
                 stats = client.update(dict(zip(self.names, self.tensors)), version=f"b{r}")
+                t_up1 = time.perf_counter()
                 d = stats.as_dict()
+                d["trainer_extra_bytes"] = self.mem_peak()  # since before register(): slots included
+                d["rank_extra_bytes"] = ray.get(rank.mem_peak.remote())
+                d["t_start"], d["t_stop"] = t_up0, t_up1
+                d["events"] = [(k, a - t_up0, b - a) for k, a, b in events]
+                d["gc_trainer"] = [(a - t_up0, dt, g) for a, dt, g in self.gclog.between(t_up0, t_up1)]
+                d["gc_rank"] = [(a - t_up0, dt, g) for a, dt, g in ray.get(rank.gc_between.remote(t_up0, t_up1))]
                 bs = d.pop("buckets")
                 d["nbuckets"] = len(bs)
                 d["fill_seconds_mean"] = statistics.mean(b["fill_seconds"] for b in bs)
                 d["bucket_pull_seconds_mean"] = statistics.mean(b["pull_seconds"] for b in bs)
                 d["check"] = ray.get(rank.verify.remote(seed))
                 d["rank_pulls"] = [
-                    {k: p.get(k) for k in ("fetch_seconds", "seconds", "plan_seconds", "bytes", "transport", "ipc")}
+                    {**{k: p.get(k) for k in ("fetch_seconds", "seconds", "plan_seconds", "bytes", "transport",
+                                              "ipc", "stages")},
+                     "enter": p["t_enter"] - t_up0, "exit": p["t_exit"] - t_up0,
+                     "pull_start": p["timing"]["pull_start"] - t_up0}
                     for p in ray.get(rank.take_pulls.remote())
                 ]
                 out.append(d)
         finally:
             client.close()
-        return {"register_seconds": register_s, "updates": out}
+        return {"register_seconds": register_s, "register_extra_bytes": register_extra, "updates": out}
 
 
 def run_client(wname: str, specs, args, log) -> Dict[str, Any]:
@@ -821,24 +1170,109 @@ def run_client(wname: str, specs, args, log) -> Dict[str, Any]:
     if os.environ.get(SRC_ENV):
         env[SRC_ENV] = os.environ[SRC_ENV]
     env.update(dict(kv.split("=", 1) for kv in args.actor_env))
-    opts = {"num_gpus": 1 if cuda else 0, "runtime_env": {"env_vars": env}}
+    opts = {"num_gpus": gpu_share(args), "runtime_env": {"env_vars": env}}
     out: Dict[str, Any] = {"bucket_bytes": int(args.client_bucket_mib * MiB)}
     trainer = ClientTrainer.options(**opts).remote(specs, args.device)
     rank = ClientRank.options(**opts).remote(specs, args.device)
     try:
         out["placement"] = {"trainer": get(trainer.where.remote()), "rank": get(rank.where.remote())}
-        for j, transport in enumerate(("SGLANG_IPC", "nixl")):
-            res = get(trainer.run.remote(rank, transport, out["bucket_bytes"], 1 + args.steady, 900 + 20 * j),
+        for j, transport in enumerate(args.client_transports):
+            rounds = args.client_rounds or 1 + args.steady
+            res = get(trainer.run.remote(rank, transport, out["bucket_bytes"], rounds, 900 + 100 * j),
                       timeout=900)
             out[transport] = res
             for i, u in enumerate(res["updates"]):
                 log(f"  client update {i} ({transport}): {u['gbps']:.1f} GB/s transfer, "
                     f"{u['bytes'] / u['seconds'] / GB:.1f} GB/s whole update, {u['nbuckets']} buckets, "
                     f"transport={u['transport']} bytes_ok={u['check']['ok']}")
+                log("    " + client_breakdown(u) + f"; extra MiB trainer {u['trainer_extra_bytes'] / MiB:.0f}"
+                    f" rank {u['rank_extra_bytes'] / MiB:.0f}")
+        if args.miles_rounds:
+            res = get(trainer.miles.remote(rank, out["bucket_bytes"], args.miles_rounds, 5000), timeout=900)
+            out["miles"] = res
+            for i, u in enumerate(res["updates"]):
+                log(f"  miles loop update {i}: {u['gbps']:.1f} GB/s transfer, "
+                    f"{u['bytes'] / u['seconds'] / GB:.1f} GB/s with finalize, {u['buckets']} buckets, "
+                    f"bytes_ok={u['check']['ok']}; per update ms: "
+                    + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in u["per"].items()))
+        if args.call_cost:
+            res = get(trainer.call_cost.remote(rank, args.call_cost), timeout=600)
+            out["call_cost"] = res
+            log(f"  call cost ({res['name']}, {res['bytes']} B): " + call_cost_line(res))
     finally:
         ray.kill(trainer)
         ray.kill(rank)
     return out
+
+
+def call_cost_line(res: Dict[str, Any]) -> str:
+    def q(xs, f):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(f * len(xs)))] if xs else float("nan")
+
+    rows = res["pulls"]
+    parts = [f"no-op call p50 {q(res['noop'], .5) * 1e3:.3f} / p90 {q(res['noop'], .9) * 1e3:.3f} ms"]
+    for k in ("call", "put", "dispatch", "enter_to_queue", "to_loop", "pull", "copy", "loop_other",
+              "back_from_loop", "actor_after", "reply"):
+        v = [r[k] for r in rows]
+        parts.append(f"{k} p50 {q(v, .5) * 1e3:.3f} / p90 {q(v, .9) * 1e3:.3f}")
+    stages = sorted({k for r in rows for k in r["stages"]})
+    parts.append("receiver stages p50 " + ", ".join(
+        f"{k} {q([r['stages'].get(k, 0.0) for r in rows], .5) * 1e3:.3f}" for k in stages))
+    return "; ".join(parts)
+
+
+def grep_worker_logs(pattern: str, limit: int = 4000) -> None:
+    import glob
+    import re
+
+    rx = re.compile(pattern)
+    out_dir = os.environ.get("OUT") or "."
+    lines = []
+    for f in sorted(glob.glob("/tmp/ray/session_latest/logs/worker-*")):
+        try:
+            with open(f, errors="replace") as fh:
+                for line in fh:
+                    if rx.search(line):
+                        lines.append(f"{os.path.basename(f)}: {line.rstrip()}")
+        except OSError:
+            continue
+    with open(os.path.join(out_dir, "worker_logs.txt"), "w") as fh:
+        fh.write("\n".join(lines[:limit]) + "\n")
+    print(f"worker logs: {len(lines)} lines matched {pattern!r}")
+
+
+def client_breakdown(u: Dict[str, Any]) -> str:
+    """Where one client update's time went (ms, summed over its buckets)."""
+    ev = u.get("events") or []
+
+    def total(prefix):
+        return sum(dt for k, _, dt in ev if k == prefix) * 1e3
+
+    pulls = u.get("rank_pulls") or []
+    ipc = [p.get("ipc") or {} for p in pulls]
+    rank_pull = sum(p.get("seconds") or 0 for p in pulls) * 1e3
+    fetch = sum(p.get("fetch_seconds") or 0 for p in pulls) * 1e3
+    copy = sum(x.get("copy_seconds") or 0 for x in ipc) * 1e3
+    opened = sum(x.get("opened") or 0 for x in ipc)
+    plans = ",".join(sorted({str(x.get("plan")) for x in ipc}))
+    # the rank's method ran from enter to exit; time the rank spent outside
+    # receiver.pull() in its own method is (exit - enter) - seconds
+    rank_method = sum((p["exit"] - p["enter"]) for p in pulls) * 1e3
+    gct = u.get("gc_trainer") or []
+    gcr = u.get("gc_rank") or []
+    parts = [
+        f"whole {u['seconds'] * 1e3:.1f}", f"transfer {u['transfer_seconds'] * 1e3:.1f}",
+        f"begin {total('begin'):.2f}", f"end {total('end'):.2f}",
+        f"fill calls {total('sender:fill'):.2f} (slot-copy wait {total('copy_wait'):.2f}, put {total('put'):.2f})",
+        f"release {total('sender:release'):.2f}", f"gather waits {total('gather'):.2f}",
+        f"rank method {rank_method:.2f} / pull() {rank_pull:.2f} / fetch {fetch:.2f} / copy {copy:.2f}",
+        f"mappings opened {opened}, plans {plans}",
+    ]
+    if gct or gcr:
+        parts.append(f"gc trainer {[(round(a * 1e3, 1), round(d * 1e3, 2), g) for a, d, g in gct]} "
+                     f"rank {[(round(a * 1e3, 1), round(d * 1e3, 2), g) for a, d, g in gcr]}")
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- #
@@ -852,9 +1286,9 @@ def free_port() -> int:
 
 def ipc_available() -> Optional[str]:
     try:
-        from sglang.srt.ray.rdt import cuda_ipc_transport  # noqa: F401
+        from sglang.srt.ray.rdt.transport import sglang_ipc  # noqa: F401
     except Exception as e:
-        return f"sglang.srt.ray.rdt.cuda_ipc_transport not importable: {e}"
+        return f"sglang.srt.ray.rdt.transport.sglang_ipc not importable: {e}"
     return None
 
 
@@ -884,6 +1318,7 @@ def run_workload(wname: str, specs, args, log) -> Dict[str, Any]:
     cuda = args.device == "cuda"
     names = [n for n, _, _ in specs]
     errors = res.setdefault("errors", {})
+    nixl_steady = args.steady if args.nixl_steady is None else args.nixl_steady
 
     def section(name, fn):
         try:
@@ -898,7 +1333,7 @@ def run_workload(wname: str, specs, args, log) -> Dict[str, Any]:
     if cuda and not args.skip_ceiling:
         log(f"[{wname}] peer-copy ceiling in the driver ...")
         section("ceiling", lambda: res.__setitem__(
-            "ceiling", cuda_ceilings(specs, 0, 1, args.reps, args.ceiling_streams)))
+            "ceiling", cuda_ceilings(specs, 0, 0 if args.same_gpu else 1, args.reps, args.ceiling_streams)))
     elif not cuda:
         section("ceiling", lambda: res.__setitem__("ceiling", cpu_ceilings(specs, args.reps)))
 
@@ -911,7 +1346,7 @@ def run_workload(wname: str, specs, args, log) -> Dict[str, Any]:
     if os.environ.get(SRC_ENV):
         env[SRC_ENV] = os.environ[SRC_ENV]
     env.update(dict(kv.split("=", 1) for kv in args.actor_env))
-    opts = {"num_gpus": 1 if cuda else 0, "runtime_env": {"env_vars": env}}
+    opts = {"num_gpus": gpu_share(args), "runtime_env": {"env_vars": env}}
     t0 = time.perf_counter()
     sender = Sender.options(**opts).remote(specs, args.device, want_ipc)
     get(sender.where.remote())
@@ -927,7 +1362,7 @@ def run_workload(wname: str, specs, args, log) -> Dict[str, Any]:
         if "pull" in args.paths:
             log(f"[{wname}] NIXL pulls ...")
             section("pull", lambda: res.__setitem__(
-                "pull", run_pulls(sender, receiver, names, "nixl", 1 + args.steady, 100, log)))
+                "pull", run_pulls(sender, receiver, names, "nixl", 1 + nixl_steady, 100, log)))
 
         def nccl():
             port = free_port()
@@ -1067,19 +1502,39 @@ def summarize(res: Dict[str, Any], device: str) -> Dict[str, Any]:
         rows.append((f"pull, SGLANG_IPC, handles re-opened (median of {len(pulls)})", _gbps(nbytes, med),
                      max((p.get("peak_extra_bytes") or 0) for p in pulls), all(p["check"]["ok"] for p in pulls)))
     cl = res.get("client") or {}
-    for transport in ("SGLANG_IPC", "nixl"):
+    for transport in [k for k in cl if k not in ("bucket_bytes", "placement", "miles", "call_cost")]:
         ups = (cl.get(transport) or {}).get("updates") or []
         if not ups:
             continue
         steady = ups[1:] or ups
         mib = cl["bucket_bytes"] // MiB
         path = ",".join(sorted({u["transport"] for u in steady}))
-        label = f"WeightSyncClient.update, {transport} ({path}), {mib} MiB buckets"
+        how = f"{mib} MiB buckets" if max(u["nbuckets"] for u in ups) > 1 or transport.endswith(":buckets") \
+            else "zero-copy, one call"
+        label = f"WeightSyncClient.update, {transport} ({path}), {how}"
         rows.append((f"{label}, first", ups[0]["gbps"], None, ups[0]["check"]["ok"]))
         rows.append((f"{label}, median of {len(steady)}", statistics.median(u["gbps"] for u in steady),
                      None, all(u["check"]["ok"] for u in steady)))
-        rows.append(("  same, whole update() incl. session/finalize",
-                     statistics.median(u["bytes"] / u["seconds"] / GB for u in steady), None, None))
+        if len(steady) >= 3:
+            g = [u["gbps"] for u in steady]
+            rows.append((f"  same, min / max of {len(steady)} (ratio to median {min(g) / statistics.median(g):.2f} "
+                         f"/ {max(g) / statistics.median(g):.2f})", min(g), None, None))
+            rows.append(("  same, max", max(g), None, None))
+        w = [u["bytes"] / u["seconds"] / GB for u in steady]
+        rows.append((f"  same, whole update() incl. session/finalize, median (min {min(w):.0f}, max {max(w):.0f}; "
+                     f"first {ups[0]['bytes'] / ups[0]['seconds'] / GB:.0f}, first/median time "
+                     f"{ups[0]['seconds'] / statistics.median(u['seconds'] for u in steady):.2f})",
+                     statistics.median(w), None, None))
+    ml = (cl.get("miles") or {}).get("updates") or []
+    if ml:
+        steady = ml[1:] or ml
+        g = [u["gbps"] for u in steady]
+        ok = all(u["check"]["ok"] for u in ml)
+        rows.append((f"miles-shaped loop (SGLANG_IPC, one call per bucket), first", ml[0]["gbps"], None, ok))
+        rows.append((f"miles-shaped loop, median of {len(steady)} (min {min(g):.0f}, max {max(g):.0f})",
+                     statistics.median(g), None, ok))
+        rows.append(("  same, with finalize", statistics.median(u["bytes"] / u["seconds"] / GB for u in steady),
+                     None, None))
     return {"rows": rows, "ref_per_tensor": ref_per, "ref_one_tensor": ref_one}
 
 
@@ -1165,6 +1620,10 @@ def print_report(results: Dict[str, Any], args) -> bool:
                 f"reused={x['ipc']['reused']} copies={x['ipc']['copies']} streams={x['ipc']['streams']} "
                 f"open={x['ipc']['open_seconds'] * 1e3:.1f}ms copy={x['ipc']['copy_seconds'] * 1e3:.1f}ms"
                 for i, x in enumerate(p[:2])))
+        cc = (res.get("client") or {}).get("call_cost")
+        if cc:
+            print(f"\npull_weights fixed cost on the rank core ({cc['name']}, {cc['bytes']} B, "
+                  f"{len(cc['pulls'])} calls), ms: " + call_cost_line(cc))
         if res.get("pointers_unchanged") is False:
             all_ok = False
             print("!! receiver tensors moved (data_ptr changed)")
@@ -1199,13 +1658,38 @@ def main(argv=None) -> int:
     ap.add_argument("--variant-rounds", type=int, default=3)
     ap.add_argument("--client-bucket-mib", type=float, default=1024,
                     help="bucket size of the WeightSyncClient path (paths: client)")
+    ap.add_argument("--client-rounds", type=int, default=None,
+                    help="updates per client transport (default 1 + --steady)")
+    ap.add_argument("--client-transports", default="SGLANG_IPC,nixl",
+                    help="WeightSyncClient transports to run (paths: client)")
+    ap.add_argument("--nixl-steady", type=int, default=None,
+                    help="steady NIXL pulls (default --steady; same GPU: 0, NIXL crawls there)")
+    ap.add_argument("--same-gpu", action="store_true",
+                    help="colocated: every actor on GPU 0 with num_gpus=0.5 (trainer and engine "
+                    "sharing one GPU); no NCCL; ceilings are same-device copies")
+    ap.add_argument("--log-grep", default=None,
+                    help="regex: copy matching lines of the Ray workers' logs to $OUT/worker_logs.txt at the end")
+    ap.add_argument("--miles-rounds", type=int, default=0,
+                    help="paths client: also this many updates of a miles-shaped loop (one registered "
+                    "bucket, stage + sync + ray.put + pull_weights + ray.get per bucket), SGLANG_IPC")
+    ap.add_argument("--call-cost", type=int, default=0,
+                    help="paths client: also this many pull_weights calls of the smallest tensor on the "
+                    "rank core, next to no-op calls (the fixed cost per call, by stage)")
     ap.add_argument("--skip-ceiling", action="store_true")
     ap.add_argument("--actor-env", action="append", default=[], help="KEY=VALUE for the actors of every path (repeatable)")
     ap.add_argument("--json-out", default=None, help="write all numbers here (default $OUT/bench_pull.json if OUT is set)")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
+    args.client_transports = [t for t in args.client_transports.split(",") if t]
+    if args.same_gpu:
+        if not cuda:
+            raise SystemExit("--same-gpu needs --device cuda")
+        if args.nixl_steady is None:
+            args.nixl_steady = 0
     args.workloads = (args.workloads or ("uniform,model" if cuda else "uniform")).split(",")
     args.paths = (args.paths or ("pull,nccl,ipc,client" if cuda else "pull,ipc")).split(",")
+    if args.same_gpu and "nccl" in args.paths:
+        args.paths.remove("nccl")  # NCCL refuses two ranks on one GPU
     args.ceiling_streams = [int(x) for x in args.ceiling_streams.split(",") if x]
     uni = args.uniform or ("256x32" if cuda else "16x4")
     n_uni, mib_uni = uni.lower().split("x")
@@ -1218,8 +1702,8 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     if cuda:
-        if torch.cuda.device_count() < 2:
-            print("--device cuda needs two visible GPUs", file=sys.stderr)
+        if torch.cuda.device_count() < (1 if args.same_gpu else 2):
+            print("--device cuda needs two visible GPUs (or --same-gpu)", file=sys.stderr)
             return 2
         for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -1233,9 +1717,9 @@ def main(argv=None) -> int:
         os.environ.setdefault(SRC_ENV, os.path.abspath(src))
     light_sglang()
     if "ipc" in args.paths and not ipc_available():
-        from sglang.srt.ray.rdt import cuda_ipc_transport
+        from sglang.srt.ray.rdt.transport import sglang_ipc
 
-        cuda_ipc_transport.register()  # before the actors are created
+        sglang_ipc.register()  # before the actors are created
     t_start = time.perf_counter()
     address = os.environ.get("RAY_ADDRESS")
     if address:
@@ -1275,6 +1759,8 @@ def main(argv=None) -> int:
         if args.json_out:
             dump(results, args.json_out)
         ray.shutdown()
+        if args.log_grep:
+            grep_worker_logs(args.log_grep)
     ok = print_report(results, args)
     print(f"total {results['total_seconds']:.1f} s")
     return 0 if ok else 1

@@ -891,9 +891,9 @@ class ClientRank(_Side):
     def get_weight_sync_status(self):
         return self.sync.status()
 
-    def pull_weights(self, refs, names, timeout=None):
+    def pull_weights(self, refs, names, timeout=None, finalize=None):
         t_enter = time.perf_counter()
-        stats = self.sync.pull(refs, names, timeout)
+        stats = self.sync.pull(refs, names, timeout, finalize)
         from sglang.srt.ray.rdt.transport import sglang_ipc
 
         info = sglang_ipc.fetch_info(refs[0])

@@ -71,7 +71,7 @@ class FakeRank:
     def get_parallelism_config(self):
         return {"rank": self.rank, "tp_rank": 0, "tp_size": 1, "dp_rank": self.rank, "device": "cpu"}
 
-    def pull_weights(self, refs, names, timeout=None):
+    def pull_weights(self, refs, names, timeout=None, finalize=None):
         with self.pull_lock:
             start = time.time()
             # The bucket is read only after this sleep: if the client wrote the
@@ -79,8 +79,11 @@ class FakeRank:
             time.sleep(self.delay_s)
             if self.fail:
                 raise WeightSyncError(self.fail)
-            stats = self.sync.pull(refs, names, timeout)
-            self.pulls.append({"names": list(names), "start": start, "end": time.time()})
+            stats = self.sync.pull(refs, names, timeout, finalize)
+            if finalize is not None:  # ended the update in this call
+                self.finalized.append(finalize.get("weight_version"))
+            self.pulls.append({"names": list(names), "start": start, "end": time.time(),
+                               "finalize": finalize})
             return stats
 
     def finalize_weight_update(self, weight_version=None, flush_cache=True):
@@ -93,6 +96,9 @@ class FakeRank:
 
     def get_weight_sync_status(self):
         return self.sync.status()
+
+    def release_weight_sync_mappings(self, sender_token=None):
+        return self.sync.receiver.release_sender(sender_token)
 
     # --- inspection ------------------------------------------------------ #
     def state(self) -> Dict[str, torch.Tensor]:

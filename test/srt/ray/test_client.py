@@ -321,6 +321,75 @@ def test_local_sender_keeps_buckets_in_the_callers_process(toy, transport):
         WeightSyncClient(toy.ranks, sender="remote")
 
 
+def test_direct_export_reads_host_tensors_in_place_and_each_rank_ends_the_update_in_its_pull(toy):
+    """export="direct" on CPU: the ranks read the driver's own tensors with
+    process_vm_readv (no bucket), one pull_weights per rank that also ends the
+    update there (no finalize call); the kept ref serves the next update."""
+    ray = toy.ray
+    ray.get([r.configure.remote(delay_s=0.0, fail=None) for r in toy.ranks])
+    logs = [ray.get(r.log.remote()) for r in toy.ranks]
+    weights = new_weights(seed=41)
+    with WeightSyncClient(toy.ranks, names=toy.names, sender="local", export="direct") as client:
+        first = client.update(weights, version="direct-1")
+        assert_ranks_hold(toy, weights)
+        for t in weights.values():
+            t.add_(1.0)  # in place: same addresses, so the same ref serves again
+        second = client.update(weights, version="direct-2")
+        assert client._direct_refs.reused == 1
+        assert client.sender.sender is None  # no bucket memory was ever allocated
+    assert_ranks_hold(toy, weights)
+    for stats in (first, second):
+        assert stats.transport == "cma" and stats.tensors == len(weights)
+        assert stats.bytes == sum(t.numel() * 4 for t in weights.values())
+        assert len(stats.buckets) == 1 and stats.end_seconds == 0.0
+    for r, before in zip(toy.ranks, logs):
+        log = ray.get(r.log.remote())
+        pulls = log["pulls"][len(before["pulls"]):]
+        assert [p["finalize"] for p in pulls] == [
+            {"weight_version": f"direct-{k}", "flush_cache": True} for k in (1, 2)]
+        # Ended in the pulls: exactly two ends, no separate finalize call.
+        assert log["finalized"][len(before["finalized"]):] == ["direct-1", "direct-2"]
+        st = ray.get(r.get_weight_sync_status.remote())
+        assert (st["weights_consistent"], st["update_open"], st["weight_version"]) == (True, False, "direct-2")
+
+
+def test_direct_export_failure_aborts_only_the_ranks_whose_pull_failed(toy):
+    ray = toy.ray
+    ray.get([toy.ranks[0].configure.remote(delay_s=0.0, fail=None),
+             toy.ranks[1].configure.remote(delay_s=0.0, fail="disk on fire")])
+    logs = [ray.get(r.log.remote()) for r in toy.ranks]
+    weights = new_weights(seed=42)
+    with WeightSyncClient(toy.ranks, names=toy.names, sender="local", export="direct") as client:
+        with pytest.raises(WeightSyncRankError, match=r"^rank 1 \(fake-1\) failed during pull of the "
+                           r"trainer's tensors \(zero-copy\) and finalize: WeightSyncError: disk on fire"):
+            client.update(weights, version="direct-3")
+        after = [ray.get(r.log.remote()) for r in toy.ranks]
+        # Rank 0 landed the whole update and ended it; only rank 1 is aborted.
+        assert after[0]["finalized"][len(logs[0]["finalized"]):] == ["direct-3"]
+        assert after[0]["aborts"] == logs[0]["aborts"]
+        assert len(after[1]["aborts"]) == len(logs[1]["aborts"]) + 1
+        assert after[1]["finalized"] == logs[1]["finalized"]
+        assert_ranks_hold(toy, weights, ranks=[toy.ranks[0]])
+        ray.get(toy.ranks[1].configure.remote(fail=None))
+        client.update(weights, version="direct-4")
+    assert_ranks_hold(toy, weights)
+
+
+def test_direct_export_says_why_it_cannot_read_in_place_before_anything_moves(toy):
+    ray = toy.ray
+    logs = [ray.get(r.log.remote()) for r in toy.ranks]
+    client = WeightSyncClient(toy.ranks, names=toy.names, sender="local", export="direct")
+    elsewhere = {"transports": ["NIXL", "SGLANG_IPC"], "ipc_reach": {"node_id": "f" * 56, "gpus": []}}
+    client.status = lambda: [elsewhere, elsewhere]  # ranks on another node
+    with pytest.raises(WeightSyncError, match=r"export='direct': the ranks cannot read this trainer's "
+                       r"tensors in place \(rank 0 \(fake-0\) is on another node .*\); "
+                       r"nothing was sent"):
+        client.update(new_weights(seed=43))
+    assert [ray.get(r.log.remote()) for r in toy.ranks] == logs
+    with pytest.raises(ValueError, match="export must be 'auto', 'direct' or 'buckets'"):
+        WeightSyncClient(toy.ranks, export="inplace")
+
+
 def test_auto_transport_needs_every_rank_to_accept_the_fast_path(toy):
     client = toy_client(toy)
     assert client.transport == "auto" and client.put_transport() == "SGLANG_IPC"

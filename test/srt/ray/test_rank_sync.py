@@ -92,3 +92,15 @@ def test_layout_names_every_parameter(rank):
     layout = rank.parameter_layout()
     assert set(layout) == {"weight", "bias"}
     assert layout["weight"]["shape"] == [2, 4] and layout["weight"]["dtype"] == "float32"
+
+
+def test_a_pull_ends_the_update_only_after_it_landed_and_checks_finalize_first(rank):
+    rank.port.is_paused = True
+    with pytest.raises(WeightSyncError, match=r"finalize= takes weight_version and flush_cache, "
+                       r"not \['version'\]"):
+        rank.pull([object()], ["weight"], finalize={"version": "v1"})
+    assert rank.state.status()["failures"] == {}  # refused before it reached the rank's loop
+    with pytest.raises(WeightSyncError, match="expected a ray.ObjectRef"):
+        rank.pull([object()], ["weight"], finalize={"weight_version": "v1"})
+    # The pull failed: nothing was ended, the version did not move.
+    assert rank.port.version is None and rank.state.status()["updates"] == 0

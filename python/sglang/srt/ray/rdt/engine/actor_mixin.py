@@ -151,6 +151,7 @@ class RdtWeightSyncMixin:
         weights_refs: Sequence[Any],
         param_names,
         timeout: Optional[float] = None,
+        finalize: Optional[Dict[str, Any]] = None,
     ) -> Dict[str, Any]:
         """Fetch RDT refs straight into this rank's live parameters.
 
@@ -164,8 +165,14 @@ class RdtWeightSyncMixin:
                 this rank's ``model.named_parameters()`` names; tensors must be
                 in its layout (dtype, shape of its TP shard).
             timeout: seconds for the transfer (default ``rdt_pull_timeout``).
+            finalize: this is the rank's last pull of the update: after it
+                landed, end the update as :meth:`finalize_weight_update` does
+                (``{"weight_version": ..., "flush_cache": ...}``, both
+                optional) in the same call — one round trip less for a
+                trainer that sends a rank all its tensors at once.
 
-        Returns: ``{"tensors", "bytes", "seconds", "gbps", ...}``.
+        Returns: ``{"tensors", "bytes", "seconds", "gbps", ...}`` (plus
+        ``"finalized"``, the finalize's result, with ``finalize``).
 
         Raises ``WeightSyncError`` before any byte moves for a bad call (names,
         shapes, dtypes, refs), or when generation may be running;
@@ -173,7 +180,7 @@ class RdtWeightSyncMixin:
         writer already wrote one of the parameters in this update;
         ``WeightsInconsistentError`` when a transfer broke mid-way.
         """
-        return self._sync().pull(weights_refs, param_names, timeout)
+        return self._sync().pull(weights_refs, param_names, timeout, finalize)
 
     def begin_weight_update(self) -> Dict[str, Any]:
         """Open sglang's weight-update session on this rank (what

@@ -106,7 +106,25 @@ class RankWeightSync:
         return None if idle else "a batch is still running (paused in place?)"
 
     # -- the update --------------------------------------------------------- #
-    def pull(self, refs, names, timeout: Optional[float] = None) -> Dict[str, Any]:
+    def pull(self, refs, names, timeout: Optional[float] = None,
+             finalize: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Land the refs' tensors (scheduler thread, quiesced). ``finalize``
+        (``{"weight_version", "flush_cache"}``, both optional): this was the
+        rank's last pull of the update; end it here as :meth:`finalize` does,
+        saving the caller one round trip. The result then carries the
+        finalize's under ``"finalized"``."""
+        if finalize is not None:
+            unknown = set(finalize) - {"weight_version", "flush_cache"}
+            if unknown:  # checked before any byte moves
+                raise WeightSyncError(
+                    f"finalize= takes weight_version and flush_cache, not {sorted(unknown)}")
+        out = self._pull(refs, names, timeout)
+        if finalize is not None:
+            out["finalized"] = self.finalize(finalize.get("weight_version"),
+                                             bool(finalize.get("flush_cache", True)))
+        return out
+
+    def _pull(self, refs, names, timeout: Optional[float]) -> Dict[str, Any]:
         def run():
             why = self.quiesced()
             if why is None:

@@ -2,6 +2,8 @@
 
 - :mod:`.client` — :class:`WeightSyncClient`: discovery, validation, the
   update session and the bucket pipeline in one call;
+- :mod:`.update_run` — one ``update()`` start to end (check, path, session,
+  abort on failure);
 - :mod:`.discovery`, :mod:`.sessions`, :mod:`.pipeline`, :mod:`.sender_link`,
   :mod:`.payloads`, :mod:`.stats` — its parts;
 - :mod:`.buckets` — pure planning of buckets and steps;
@@ -10,7 +12,7 @@
 - :mod:`.hf_reshard` — Hugging Face state dicts turned into each rank's
   tensors with sglang's own loaders (``update(..., layout="hf")``);
 - :mod:`.direct` — zero-copy updates: ranks on the trainer's node read the
-  trainer's own CUDA tensors (no buckets).
+  trainer's own tensors (no buckets).
 
 May import: torch, Ray, :mod:`sglang.srt.ray.rdt.errors`,
 :mod:`sglang.srt.ray.rdt.ranks`, :mod:`sglang.srt.ray.rdt.defaults`,

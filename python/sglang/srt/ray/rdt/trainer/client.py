@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from sglang.srt.ray.rdt import gc_pause
 from sglang.srt.ray.rdt.defaults import (
     CALL_TIMEOUT_S,
-    PULL_TIMEOUT_S,
-    PULL_WAIT_MARGIN_S,
     SESSION_LEASE_S,
     SGLANG_IPC,
     bucket_bytes_for,
@@ -55,13 +52,13 @@ from sglang.srt.ray.rdt.trainer.payloads import (
     LayoutCheck,
     NamedTensors,
     normalize,
-    split_payloads,
     tensor_item,
 )
 from sglang.srt.ray.rdt.trainer.discovery import RankInfo, ensure_ray, find_ranks
-from sglang.srt.ray.rdt.trainer.pipeline import BucketPipeline, PipelineRun, Progress
+from sglang.srt.ray.rdt.trainer.pipeline import BucketPipeline, Progress
 from sglang.srt.ray.rdt.trainer.sender_link import SenderLink, release_rank_mappings
 from sglang.srt.ray.rdt.trainer.sessions import make_session
+from sglang.srt.ray.rdt.trainer.update_run import run_update
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
 
 __all__ = ["WeightSyncClient", "WeightSyncRankError", "UpdateStats", "BucketStats", "RankInfo"]
@@ -119,7 +116,12 @@ class WeightSyncClient:
             and every rank able to read the trainer's GPU over CUDA IPC (same
             node), the ranks read the trainer's own tensors — no bucket copy,
             no bucket memory, one ``pull_weights`` per rank
-            (:mod:`.direct`); otherwise buckets. ``"buckets"``: always buckets.
+            (:mod:`.direct`); otherwise buckets. ``"direct"``: always read in
+            place — host-memory tensors too, by ranks on this node
+            (process_vm_readv) — or fail before anything moves, saying why.
+            ``"buckets"``: always buckets. Reading in place against a paused
+            engine (no ``url``/``engine``), each rank ends the update in its
+            one pull call.
     """
 
     def __init__(
@@ -141,8 +143,8 @@ class WeightSyncClient:
     ):
         if transport.lower() not in ("auto", "nixl", "sglang_ipc"):
             raise ValueError(f"transport must be 'auto', 'nixl' or 'SGLANG_IPC', got {transport!r}")
-        if export not in ("auto", "buckets"):
-            raise ValueError(f"export must be 'auto' or 'buckets', got {export!r}")
+        if export not in ("auto", "direct", "buckets"):
+            raise ValueError(f"export must be 'auto', 'direct' or 'buckets', got {export!r}")
         if not actors:
             raise WeightSyncError("no SchedulerActor handles given")
         if url is not None and engine is not None:
@@ -236,10 +238,12 @@ class WeightSyncClient:
         """Wait for ``[(rank, ref)]``; one :class:`WeightSyncRankError` if any failed."""
         return gather(calls, phase, timeout_s, lambda rank: self.ranks[rank].name)
 
-    def _call_all(self, method: str, *args, timeout_s: Optional[float] = None) -> List[Any]:
-        calls = [(r.index, getattr(r.actor, method).remote(*args)) for r in self.ranks]
+    def _call_all(self, method: str, *args, timeout_s: Optional[float] = None,
+                  only: Optional[Sequence[int]] = None) -> List[Any]:
+        ranks = self.ranks if only is None else [self.ranks[i] for i in only]
+        calls = [(r.index, getattr(r.actor, method).remote(*args)) for r in ranks]
         out = self._gather(calls, method, timeout_s or self.call_timeout_s)
-        return [out[r.index] for r in self.ranks]
+        return [out[r.index] for r in ranks]
 
     def register(self) -> List[Dict[str, Any]]:
         """Pin every rank's parameters with NIXL once and prepare the bucket buffers.
@@ -361,60 +365,7 @@ class WeightSyncClient:
         return self._hf_resharder
 
     def _update(self, named_tensors, version, bucket_bytes, strict, flush_cache, progress):
-        t_call = time.perf_counter()
-        version = None if version is None else str(version)
-        payloads, groups = split_payloads(named_tensors, len(self.ranks))
-        items_per_group = self._checked.items_per_group(
-            payloads, groups, self.parameter_layouts(), [r.label() for r in self.ranks], strict
-        )
-        wait_s = (self.pull_timeout_s or PULL_TIMEOUT_S) + PULL_WAIT_MARGIN_S
-        blocker = direct.client_blocker(self) or direct.tensors_blocker(
-            [payloads[g[0]] for g in groups], self.device)
-        if blocker is None:
-            steps = []
-            run = PipelineRun(steps)
-        else:
-            logger.debug("[RDT] update through buckets: %s", blocker)
-            steps, buffer_bytes = plan_steps(items_per_group, bucket_bytes or self.bucket_bytes)
-            self.pipeline.reclaim_stuck()
-            self.sender.prepare(buffer_bytes, self.ranks)
-            run = PipelineRun(steps)
-        t_end = 0.0
-        try:
-            if blocker is None:
-                self._direct_used = True
-                direct.run_direct(
-                    self.ranks, payloads, groups, run, put=direct.put_direct,
-                    refs_cache=self._direct_refs, gather=self._gather,
-                    open_session=self.session.begin, pull_timeout=self.pull_timeout_s,
-                    wait_s=wait_s,
-                )
-            else:
-                self.pipeline.run(
-                    steps, payloads, groups, pull_timeout=self.pull_timeout_s, wait_s=wait_s,
-                    open_session=self.session.begin, progress=progress, run=run,
-                )
-            t0 = time.perf_counter()
-            self.session.end(run.session_id, version, flush_cache)
-            t_end = time.perf_counter() - t0
-        except BaseException as e:
-            self.pipeline.settle(run, wait_s)
-            if run.session_open:
-                reason = f"weight-sync client: {type(e).__name__}: {str(e)[:300]}"
-                try:
-                    self.session.abort(run.session_id, reason)
-                    if isinstance(e, WeightSyncRankError):
-                        e.aborted = True
-                except Exception as abort_error:
-                    logger.error("[RDT] aborting the engine's update session failed: %s", abort_error)
-                    e.add_note(f"aborting the engine's update session failed too: {abort_error}")
-            raise
-
-        self.updates += 1
-        stats = UpdateStats.of(run, steps, groups, version, len(self.ranks),
-                               time.perf_counter() - t_call, t_end)
-        logger.info("[RDT] update: %s", stats.summary())
-        return stats
+        return run_update(self, named_tensors, version, bucket_bytes, strict, flush_cache, progress)
 
     # ------------------------------------------------------------------ #
     def close(self) -> None:

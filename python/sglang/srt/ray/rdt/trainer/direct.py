@@ -1,5 +1,9 @@
 """Zero-copy updates: the ranks read the trainer's own tensors.
 
+(Host-memory tensors are read in place too, with ``export="direct"``: ranks on
+the trainer's Ray node read them with process_vm_readv. What follows is about
+CUDA tensors, where ``export="auto"`` picks this path itself.)
+
 When the trainer's tensors already are what the ranks want — contiguous CUDA
 tensors in the rollout layout on the client's device — and every rank can
 read that GPU over CUDA IPC (same Ray node, the GPU visible to it), there is
@@ -55,18 +59,20 @@ def trainer_gpu(device: str) -> Optional[Tuple[str, str]]:
 
 
 def ranks_blocker(statuses: Sequence[Mapping[str, Any]], gpu: Optional[Tuple[str, str]],
-                  labels: Sequence[str]) -> Optional[str]:
-    """Why not every rank can read the trainer's GPU over CUDA IPC, or None."""
-    if gpu is None:
+                  labels: Sequence[str], host_node: Optional[str] = None) -> Optional[str]:
+    """Why not every rank can read the trainer's tensors in place, or None:
+    over CUDA IPC from ``gpu`` (node, UUID), or — host memory, ``gpu`` None —
+    with process_vm_readv on ``host_node`` (None: host memory is not read in place)."""
+    if gpu is None and host_node is None:
         return "the tensors are not on a CUDA device of this process"
-    node, uuid = gpu
+    node, uuid = gpu if gpu is not None else (host_node, None)
     for st, label in zip(statuses, labels):
         if SGLANG_IPC not in (st.get("transports") or []):
             return f"{label} does not accept {SGLANG_IPC} refs"
         reach = st.get("ipc_reach") or {}
         if reach.get("node_id") != node:
             return f"{label} is on another node (or does not say where it is)"
-        if uuid not in (reach.get("gpus") or []):
+        if uuid is not None and uuid not in (reach.get("gpus") or []):
             return f"{label} does not see this trainer's GPU {uuid}"
     return None
 
@@ -140,8 +146,11 @@ def run_direct(
     open_session: Callable[[], Optional[str]],
     pull_timeout: Optional[float],
     wait_s: float,
+    finalize: Optional[Dict[str, Any]] = None,
 ) -> PipelineRun:
-    """One ref and one ``pull_weights`` per rank group; fills ``run``."""
+    """One ref and one ``pull_weights`` per rank group; fills ``run``. With
+    ``finalize`` each rank also ends the update in that call (its one pull is
+    its last)."""
     t_start = time.perf_counter()
     refs, names = [], []
     for i, group in enumerate(groups):
@@ -155,12 +164,14 @@ def run_direct(
     run.session_open = True
     t_transfer = time.perf_counter()
     run.begin_seconds = t_transfer - t0
+    extra = {} if finalize is None else {"finalize": finalize}
     calls = [
-        (r, ranks[r].actor.pull_weights.remote([ref], ns, pull_timeout))
+        (r, ranks[r].actor.pull_weights.remote([ref], ns, pull_timeout, **extra))
         for ref, ns, group in zip(refs, names, groups) for r in group
     ]
+    phase = "pull of the trainer's tensors (zero-copy)" + (" and finalize" if finalize else "")
     try:
-        results = gather(calls, "pull of the trainer's tensors (zero-copy)", wait_s)
+        results = gather(calls, phase, wait_s)
     except BaseException:
         # Ranks may still be reading the trainer's tensors: wait (bounded)
         # before the caller may change them.
@@ -187,14 +198,16 @@ def run_direct(
 
 
 def put_direct(tensors):
-    """Put the trainer's own tensors: CUDA IPC only (every rank reads them on
-    this node), segments kept mapped across updates."""
+    """Put the trainer's own tensors. CUDA: IPC only (every rank reads them on
+    this node), segments kept mapped across updates. Host memory: read with
+    process_vm_readv, with NIXL metadata for a rank the kernel refuses it to."""
     import ray
 
     from sglang.srt.ray.rdt.transport import sglang_ipc
 
     sglang_ipc.register()
-    with sglang_ipc.put_options(nixl=False, persistent=True):
+    cuda = bool(tensors) and tensors[0].is_cuda
+    with sglang_ipc.put_options(nixl=False if cuda else None, persistent=True if cuda else None):
         return ray.put(tensors, _tensor_transport=SGLANG_IPC)
 
 
@@ -210,15 +223,21 @@ def client_gpu(client):
 
 def client_blocker(client) -> Optional[str]:
     """Why the client's updates cannot read the trainer's own tensors (rank
-    side or settings), or None."""
-    if client.export != "auto":
+    side or settings), or None. Host memory is read in place only with
+    ``export="direct"``."""
+    if client.export == "buckets":
         return "export='buckets'"
     if not client.sender.local:
         return "the buckets live in a sender actor (sender='local' reads the trainer's tensors)"
     if client.put_transport() != SGLANG_IPC:
         return f"transport {client.transport!r}"
-    return ranks_blocker(client._cached_status(), client_gpu(client),
-                         [r.label() for r in client.ranks])
+    gpu = client_gpu(client)
+    host_node = None
+    if gpu is None and client.export == "direct" and torch.device(client.device).type == "cpu":
+        import ray
+
+        host_node = ray.get_runtime_context().get_node_id()
+    return ranks_blocker(client._cached_status(), gpu, [r.label() for r in client.ranks], host_node)
 
 
 def refuse_nixl_on_shared_gpu(client) -> None:

@@ -12,7 +12,7 @@ ref here first is what keeps a rejected update from touching any weight.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -209,3 +209,58 @@ def check_in_place(results, targets, names) -> Optional[str]:
                     "in place"
                 )
     return None
+
+
+class PlanCache:
+    """The live parameters as one walk of the model found them, and the pull
+    plans made against them.
+
+    A layout (names, shapes, dtypes) seen before reuses its plan when every
+    target parameter is still at the address and in the layout it was planned
+    with; anything else is checked in full by :func:`plan_pull` against the
+    parameter map. That map is one walk of the model (``get_params()``), taken
+    at the first pull and again at the first pull after anything that may move
+    parameters: after the end of an update (:meth:`mark_stale`: its post-load
+    processing ran) the plans survive the new walk only if it finds the same
+    parameter objects; memory release/resume, (de)registration and a failed
+    pull drop them (:meth:`forget`).
+    """
+
+    def __init__(self, get_params: Callable[[], Mapping[str, torch.Tensor]]):
+        self._get_params = get_params
+        self.params: Optional[Mapping[str, torch.Tensor]] = None
+        self._plans: Dict[tuple, CachedPlan] = {}
+        self._stale = False  # walk again, but the plans may survive
+
+    def forget(self) -> None:
+        """Walk the model again at the next pull and plan every layout anew."""
+        self.params = None
+        self._stale = False
+        self._plans.clear()
+
+    def mark_stale(self) -> None:
+        self._stale = True
+
+    def plan(self, specs, names) -> Tuple[List[List[torch.Tensor]], bool, bool]:
+        """The targets of a pull, whether the model was walked for them, and
+        whether a plan was reused."""
+        walked = False
+        if self._stale:
+            fresh = self._get_params()
+            old, self._stale = self.params, False
+            if old is None or fresh.keys() != old.keys() or any(fresh[n] is not old[n] for n in fresh):
+                self._plans.clear()
+            self.params, walked = fresh, True
+        key = (tuple(tuple(ns) for ns in names), tuple(tuple(ss) for ss in specs))
+        plan = self._plans.get(key)
+        if plan is not None:
+            if plan.still_live():
+                return plan.targets, walked, True
+            self.forget()  # something moved under us: start over
+        if self.params is None:
+            self.params, walked = self._get_params(), True
+        targets = plan_pull(specs, names, self.params)
+        if len(self._plans) >= MAX_CACHED_PLANS:
+            self._plans.clear()
+        self._plans[key] = CachedPlan(targets, [self.params[n] for ns in names for n in ns])
+        return targets, walked, False

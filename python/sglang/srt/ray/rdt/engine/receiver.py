@@ -49,13 +49,7 @@ from sglang.srt.ray.rdt.engine.registration import (
 from sglang.srt.ray.rdt.engine.update_state import RankUpdateState
 from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
 from sglang.srt.ray.rdt.transport.nixl_progress import configure_nixl_progress_thread
-from sglang.srt.ray.rdt.engine.plan import (
-    MAX_CACHED_PLANS,
-    CachedPlan,
-    check_in_place,
-    group_names,
-    plan_pull,
-)
+from sglang.srt.ray.rdt.engine.plan import PlanCache, check_in_place, group_names
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +84,9 @@ class RdtWeightReceiver:
         self._registered_layout = None  # params' (data_ptr, numel) at the last sync
         self._weights_released = False
         # The live parameters as one walk of the model found them, and the
-        # pull plans made against them (see _plan: when they are trusted,
-        # checked again, or dropped).
-        self._params: Optional[Mapping[str, torch.Tensor]] = None
-        self._plans: Dict[tuple, CachedPlan] = {}
-        self._params_stale = False  # walk again, but plans may survive
+        # pull plans made against them (when they are trusted, checked
+        # again, or dropped: PlanCache).
+        self._plans = PlanCache(get_params)
         # What updates wrote, consistency and counters (the rank's one owner).
         self.state = state or RankUpdateState(param_names=lambda: list(get_params()))
 
@@ -194,7 +186,7 @@ class RdtWeightReceiver:
         keeps automatic garbage collection off until :meth:`release_gc`
         (see :mod:`sglang.srt.ray.rdt.gc_pause`)."""
         with self._lock:
-            self._params_stale = True
+            self._plans.mark_stale()
         close_cached_mappings(keep_persistent=True)
         if resume_gc or gc_pause.held_for(GC_HOLDER) > gc_pause.MAX_HOLD_S:
             gc_pause.resume(GC_HOLDER)  # the collector runs again outside updates
@@ -206,9 +198,7 @@ class RdtWeightReceiver:
 
     def _forget_params(self) -> None:
         """Walk the model again at the next pull and plan every layout anew."""
-        self._params = None
-        self._params_stale = False
-        self._plans.clear()
+        self._plans.forget()
 
     def release_sender(self, sender: Optional[str] = None) -> int:
         """Close the cached mappings of one sender's memory (all: ``None``)."""
@@ -284,7 +274,7 @@ class RdtWeightReceiver:
             specs = [ref_tensor_specs(r, timeout_s) for r in refs]
             lap("metadata")
             names = group_names(param_names, [len(s) for s in specs])
-            targets, walked, reused = self._plan(specs, names)
+            targets, walked, reused = self._plans.plan(specs, names)
             lap("plan")
             if self._want_registered and self._registrations is not None:
                 self._sync_registrations(targets, walked, reused)
@@ -387,47 +377,6 @@ class RdtWeightReceiver:
         stats["timing"]["pull_end"] = mark
         return stats
 
-    def _plan(self, specs, names) -> "tuple[List[List[torch.Tensor]], bool, bool]":
-        """The targets of a pull, whether the model was walked for them, and
-        whether a plan was reused.
-
-        A layout (names, shapes, dtypes) seen before reuses its plan when
-        every target parameter is still at the address and in the layout it
-        was planned with; anything else is checked in full by
-        :func:`plan_pull` against the parameter map. That map is one walk of
-        the model, taken at the first pull and again at the first pull after
-        anything that may move parameters: after the end of an update (its
-        post-load processing ran) the plans survive the new walk only if it
-        finds the same parameter objects; memory release/resume,
-        (de)registration and a failed pull drop them.
-        """
-        walked = False
-        if self._params_stale:
-            # After an update's post-load processing: the plans stay only if
-            # the walk finds the very same parameter objects.
-            fresh = self._get_params()
-            old, self._params_stale = self._params, False
-            if old is None or fresh.keys() != old.keys() or any(
-                fresh[n] is not old[n] for n in fresh
-            ):
-                self._plans.clear()
-            self._params, walked = fresh, True
-        key = (tuple(tuple(ns) for ns in names), tuple(tuple(ss) for ss in specs))
-        plan = self._plans.get(key)
-        if plan is not None:
-            if plan.still_live():
-                return plan.targets, walked, True
-            self._forget_params()  # something moved under us: start over
-        if self._params is None:
-            self._params, walked = self._get_params(), True
-        targets = plan_pull(specs, names, self._params)
-        if len(self._plans) >= MAX_CACHED_PLANS:
-            self._plans.clear()
-        self._plans[key] = CachedPlan(
-            targets, [self._params[n] for ns in names for n in ns]
-        )
-        return targets, walked, False
-
     def _sync_registrations(self, targets, walked: bool, reused: bool) -> None:
         """Keep the NIXL registrations on the parameters' current storage.
 
@@ -441,7 +390,7 @@ class RdtWeightReceiver:
         book = self._registrations
         if not walked and (reused or all(book.covers(t) for ts in targets for t in ts)):
             return
-        params = self._params if self._params is not None else self._get_params()
+        params = self._plans.params if self._plans.params is not None else self._get_params()
         layout = [(p.data_ptr(), p.numel()) for p in params.values()]
         if layout != self._registered_layout:
             book.sync([p.data for p in params.values()])

@@ -905,6 +905,9 @@ class ClientRank(_Side):
         self.pulls.append(stats)
         return stats
 
+    def prepare_pull_weights(self, refs, names):
+        return self.sync.prepare(refs, names)
+
     def noop(self):
         """A call that does no weight work on this actor (the fixed-cost baseline)."""
         return {"t": time.perf_counter()}
@@ -1121,7 +1124,9 @@ class ClientTrainer(_Side):
         )
         self.mem_mark()
         t0 = time.perf_counter()
-        client.register()
+        # With the tensors: a zero-copy client puts them and the rank maps
+        # them now (prepare_pull_weights), so the first update is a steady one.
+        client.register(dict(zip(self.names, self.tensors)))
         register_s = time.perf_counter() - t0
         register_extra = self.mem_peak()
         events: List[Tuple[str, float, float]] = []
@@ -1181,6 +1186,7 @@ def run_client(wname: str, specs, args, log) -> Dict[str, Any]:
             res = get(trainer.run.remote(rank, transport, out["bucket_bytes"], rounds, 900 + 100 * j),
                       timeout=900)
             out[transport] = res
+            log(f"  client register ({transport}), with the tensors: {res['register_seconds'] * 1e3:.1f} ms")
             for i, u in enumerate(res["updates"]):
                 log(f"  client update {i} ({transport}): {u['gbps']:.1f} GB/s transfer, "
                     f"{u['bytes'] / u['seconds'] / GB:.1f} GB/s whole update, {u['nbuckets']} buckets, "

@@ -83,8 +83,11 @@ class FakeRank:
             if finalize is not None:  # ended the update in this call
                 self.finalized.append(finalize.get("weight_version"))
             self.pulls.append({"names": list(names), "start": start, "end": time.time(),
-                               "finalize": finalize})
+                               "finalize": finalize, "plan_reused": stats["plan_reused"]})
             return stats
+
+    def prepare_pull_weights(self, refs, names):
+        return self.sync.prepare(refs, names)
 
     def finalize_weight_update(self, weight_version=None, flush_cache=True):
         self.finalized.append(weight_version)

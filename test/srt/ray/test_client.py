@@ -353,6 +353,30 @@ def test_direct_export_reads_host_tensors_in_place_and_each_rank_ends_the_update
         assert (st["weights_consistent"], st["update_open"], st["weight_version"]) == (True, False, "direct-2")
 
 
+def test_register_with_the_tensors_prepares_the_first_direct_update_and_writes_nothing(toy):
+    ray = toy.ray
+    ray.get([r.configure.remote(delay_s=0.0, fail=None) for r in toy.ranks])
+    before = [ray.get(r.state.remote()) for r in toy.ranks]
+    n_pulls = [len(ray.get(r.log.remote())["pulls"]) for r in toy.ranks]
+    weights = new_weights(seed=44)
+    with WeightSyncClient(toy.ranks, names=toy.names, sender="local", export="direct") as client:
+        with pytest.raises(WeightSyncError, match=r"no parameter '0.wieght'"):
+            client.register({"0.wieght": weights["0.weight"]})  # checked before anything is put
+        client.register(weights)
+        for r, state in zip(toy.ranks, before):  # nothing was written, no pull ran
+            now = ray.get(r.state.remote())
+            assert all(torch.equal(now[n], state[n]) for n in state)
+        assert [len(ray.get(r.log.remote())["pulls"]) for r in toy.ranks] == n_pulls
+        assert client._direct_refs.reused == 0
+        client.update(weights, version="prepared")
+        # The first update sent the ref put at register, and each rank's pull
+        # reused the plan its prepare_pull_weights made.
+        assert client._direct_refs.reused == 1
+        for r, k in zip(toy.ranks, n_pulls):
+            assert [p["plan_reused"] for p in ray.get(r.log.remote())["pulls"][k:]] == [True]
+    assert_ranks_hold(toy, weights)
+
+
 def test_direct_export_failure_aborts_only_the_ranks_whose_pull_failed(toy):
     ray = toy.ray
     ray.get([toy.ranks[0].configure.remote(delay_s=0.0, fail=None),

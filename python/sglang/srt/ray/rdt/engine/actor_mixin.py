@@ -5,8 +5,10 @@
 
 ``register_weight_for_rdt()``
     Pin the model's parameters with NIXL once, so pulls skip registration.
-``pull_weights(weights_refs, param_names, timeout=None)``
+``pull_weights(weights_refs, param_names, timeout=None, finalize=None)``
     Write the tensors behind RDT refs straight into live parameters.
+``prepare_pull_weights(weights_refs, param_names)``
+    All of a pull but the bytes (checks, plan, same-node mappings), once at connect.
 
 The update around the pulls is sglang's own lifecycle, over HTTP (what miles
 does: ``/pause_generation``, ``/begin_weight_update``, pulls,
@@ -181,6 +183,16 @@ class RdtWeightSyncMixin:
         ``WeightsInconsistentError`` when a transfer broke mid-way.
         """
         return self._sync().pull(weights_refs, param_names, timeout, finalize)
+
+    def prepare_pull_weights(self, weights_refs: Sequence[Any], param_names) -> Dict[str, Any]:
+        """Everything of ``pull_weights(weights_refs, param_names)`` but the
+        bytes: the same checks (a bad call raises the same ``WeightSyncError``),
+        the plan kept, the sender's same-node memory mapped. Writes nothing
+        and needs no pause. A trainer calls it once at connect with refs of
+        the tensors it will send (``WeightSyncClient.register(tensors)``), so
+        its first update costs what later ones do. Returns ``{"tensors",
+        "refs", "same_node_refs", "plan_reused", "seconds"}``."""
+        return self._sync().prepare(weights_refs, param_names)
 
     def begin_weight_update(self) -> Dict[str, Any]:
         """Open sglang's weight-update session on this rank (what

@@ -152,6 +152,11 @@ class RankWeightSync:
                 self.state.fail(kind)
             raise
 
+    def prepare(self, refs, names) -> Dict[str, Any]:
+        """Check a pull and open what it reads from, writing nothing (scheduler
+        thread; no pause needed): :meth:`RdtWeightReceiver.prepare`."""
+        return self.on_scheduler(lambda: self.receiver.prepare(refs, names))
+
     def begin(self) -> Dict[str, Any]:
         def run():
             self.port.begin_session()

@@ -234,6 +234,47 @@ class RdtWeightReceiver:
         if self._device is not None and self._device.type == "cuda":
             torch.cuda.set_device(self._device)
 
+    def _enter_pull(self, weights_refs) -> List[Any]:
+        """The refs of a pull, after the checks every pull starts with (lock held)."""
+        import ray
+
+        if weights_refs is None or isinstance(weights_refs, ray.ObjectRef):
+            raise WeightSyncError(
+                "weights_refs must be a list of refs: pull_weights.remote([ref], names)"
+            )
+        refs = list(weights_refs)
+        if not refs:
+            raise WeightSyncError("empty pull: no refs were given")
+        self._check_open()
+        if self._weights_released:
+            raise WeightSyncError(
+                "weights are released (memory saver); resume memory occupation before pulling"
+            )
+        self._bind_device()
+        return refs
+
+    def prepare(self, weights_refs: Sequence[Any], param_names) -> Dict[str, Any]:
+        """Everything of a pull of these refs but the bytes: check the names,
+        shapes and dtypes, keep the plan, and open what a same-node read needs
+        (the sender's CUDA IPC segments mapped, the copies planned). Writes
+        nothing, so it needs no pause; the next pull of the same layout from
+        the same tensors starts as a steady one."""
+        t0 = time.perf_counter()
+        with self._lock:
+            refs = self._enter_pull(weights_refs)
+            specs = [ref_tensor_specs(r, self.pull_timeout_s) for r in refs]
+            names = group_names(param_names, [len(s) for s in specs])
+            targets, _, reused = self._plans.plan(specs, names)
+            same_node = sum(fetch_same_node(r, ts, copy=False) is not None
+                            for r, ts in zip(refs, targets))
+        return {
+            "tensors": sum(len(ts) for ts in targets),
+            "refs": len(refs),
+            "same_node_refs": same_node,  # read without NIXL or ray.get by the pull
+            "plan_reused": reused,
+            "seconds": time.perf_counter() - t0,
+        }
+
     def pull(
         self,
         weights_refs: Sequence[Any],
@@ -243,21 +284,8 @@ class RdtWeightReceiver:
         import ray
 
         timeout_s = self.pull_timeout_s if timeout_s is None else float(timeout_s)
-        if weights_refs is None or isinstance(weights_refs, ray.ObjectRef):
-            raise WeightSyncError(
-                "weights_refs must be a list of refs: pull_weights.remote([ref], names)"
-            )
-        refs = list(weights_refs)
-        if not refs:
-            raise WeightSyncError("empty pull: no refs were given")
         with self._lock:
-            self._check_open()
-            if self._weights_released:
-                raise WeightSyncError(
-                    "weights are released (memory saver); resume memory occupation "
-                    "before pulling"
-                )
-            self._bind_device()
+            refs = self._enter_pull(weights_refs)
             # No full collection (75-107 ms) inside the update: off from its
             # first pull until end_of_update (gc_pause).
             gc_pause.pause(GC_HOLDER)

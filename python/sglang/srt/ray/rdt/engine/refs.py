@@ -77,10 +77,11 @@ def ref_tensor_specs(ref, timeout_s: float) -> List[TensorSpec]:
     return [TensorSpec.of(entry) for entry in transport_meta.tensor_meta]
 
 
-def fetch_same_node(ref, targets) -> Optional[List[Any]]:
+def fetch_same_node(ref, targets, copy: bool = True) -> Optional[List[Any]]:
     """Fetch an ``SGLANG_IPC`` ref into ``targets`` over the same-node path
     directly (no ``ray.get``); None when that path does not serve it here
-    (``SGLANG_RDT_DIRECT_FETCH=0``: never)."""
+    (``SGLANG_RDT_DIRECT_FETCH=0``: never). ``copy=False``: open what the
+    fetch needs, write nothing."""
     from sglang.srt.environ import envs
 
     if not envs.SGLANG_RDT_DIRECT_FETCH.get():
@@ -92,7 +93,8 @@ def fetch_same_node(ref, targets) -> Optional[List[Any]]:
         return None
     from sglang.srt.ray.rdt.transport import sglang_ipc
 
-    return sglang_ipc.transport().fetch_same_node(ref.hex(), meta.tensor_transport_meta, targets)
+    return sglang_ipc.transport().fetch_same_node(ref.hex(), meta.tensor_transport_meta, targets,
+                                                  copy=copy)
 
 
 SAME_GPU_NIXL = (

@@ -245,17 +245,26 @@ class WeightSyncClient:
         out = self._gather(calls, method, timeout_s or self.call_timeout_s)
         return [out[r.index] for r in ranks]
 
-    def register(self) -> List[Dict[str, Any]]:
+    def register(self, named_tensors: Optional[NamedTensors] = None) -> List[Dict[str, Any]]:
         """Pin every rank's parameters with NIXL once and prepare the bucket buffers.
 
         Idempotent. Returns each rank's ``register_weight_for_rdt()`` result
         (``{"registered": False, "reason": ...}`` under ``--enable-memory-saver``,
         where pulls register per call instead).
+
+        ``named_tensors``: the tensors later updates will send (as for
+        :meth:`update`). When the ranks read them in place, they are checked
+        and put now and every rank does all of a pull but the copy
+        (``prepare_pull_weights``: plan, CUDA IPC mappings of the trainer's
+        memory), writing nothing — the first update then costs what later
+        ones do. Ignored for bucket updates.
         """
         out = self._call_all("register_weight_for_rdt")
         layouts = self.parameter_layouts(refresh=True)
         self._statuses = None
         if direct.client_blocker(self) is None:
+            if named_tensors is not None:
+                direct.prepare(self, named_tensors)
             return out  # updates read the trainer's tensors: no buckets to allocate
         items = [tensor_item(n, spec["shape"], spec["dtype"]) for n, spec in layouts[0].items()]
         if items:

@@ -211,6 +211,29 @@ def put_direct(tensors):
         return ray.put(tensors, _tensor_transport=SGLANG_IPC)
 
 
+def prepare(client, named_tensors) -> Optional[str]:
+    """Put ``named_tensors`` as the next zero-copy update will (the ref is
+    kept for it) and have every rank do all of that pull but the copy.
+    Returns why nothing was prepared, or None."""
+    from sglang.srt.ray.rdt.trainer.payloads import split_payloads
+
+    payloads, groups = split_payloads(named_tensors, len(client.ranks))
+    client._checked.items_per_group(payloads, groups, client.parameter_layouts(),
+                                    [r.label() for r in client.ranks], False)
+    blocker = tensors_blocker([payloads[g[0]] for g in groups], client.device)
+    if blocker is not None:
+        return blocker
+    client._direct_used = True
+    calls = []
+    for i, group in enumerate(groups):
+        payload = payloads[group[0]]
+        ref = client._direct_refs.ref_for(i, list(payload.values()), put_direct)
+        calls += [(r, client.ranks[r].actor.prepare_pull_weights.remote([ref], list(payload)))
+                  for r in group]
+    client._gather(calls, "prepare_pull_weights", client.call_timeout_s)
+    return None
+
+
 # --------------------------------------------------------------------------- #
 # The client's choices (functions of a WeightSyncClient's state)
 # --------------------------------------------------------------------------- #

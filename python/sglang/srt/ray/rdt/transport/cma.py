@@ -231,7 +231,9 @@ class CmaPath:
                 self._reader = CmaReader()
             return self._reader
 
-    def receive(self, meta, targets, info):
+    def receive(self, meta, targets, info, copy: bool = True):
+        """Read ``meta``'s tensors into ``targets``; ``copy=False``: only check
+        that they can be read (nothing is written)."""
         import torch
 
         from sglang.srt.ray.rdt.transport.copy_plan import plan_copies
@@ -261,6 +263,8 @@ class CmaPath:
             # Nothing was written; remember it for this sender and use NIXL.
             self._denied[cma.pid] = why
             raise MappingFailed(why)
+        if not copy:
+            return tensors
         t1 = time.perf_counter()
         try:
             reader.read(cma.pid, copies)

@@ -181,7 +181,9 @@ class CudaIpcPath:
             ]
         return streams
 
-    def receive(self, meta: SglangIpcTransportMetadata, targets, info: FetchInfo):
+    def receive(self, meta: SglangIpcTransportMetadata, targets, info: FetchInfo, copy: bool = True):
+        """Copy ``meta``'s tensors into ``targets``; ``copy=False``: only map
+        the sender's segments and plan the copies (kept for the next fetch)."""
         import torch
 
         ipc = meta.ipc
@@ -220,6 +222,9 @@ class CudaIpcPath:
                 info.plan = "reused"
             info.open_seconds = time.perf_counter() - t0
             info.copies, info.streams, info.method = plan.copies, len(plan.queues), method
+            if not copy:
+                cache.used(plan, ipc.sender)
+                return tensors
             t1 = time.perf_counter()
             self._launch(plan, engine_ord, dst_ord, method, info)
             cache.used(plan, ipc.sender)  # bookkeeping while the copy engine works

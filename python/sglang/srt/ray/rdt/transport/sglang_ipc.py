@@ -266,14 +266,16 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
         self._done(info)
         return out
 
-    def fetch_same_node(self, obj_id: str, meta, targets) -> Optional[List[Any]]:
+    def fetch_same_node(self, obj_id: str, meta, targets, copy: bool = True) -> Optional[List[Any]]:
         """Read a ref straight into ``targets`` when the same-node path (CUDA
         IPC or process_vm_readv) serves it here, without Ray's fetch around it
         (``ray.get`` costs ~0.5-1 ms per call: the placeholder's round trip to
         its owner and the fetch bookkeeping). Returns the targets, or None
         when this process cannot read the ref that way (nothing was written;
         the caller then uses ``ray.get``, which takes the NIXL fall-back).
-        Raises on a read that broke after it started."""
+        Raises on a read that broke after it started. ``copy=False``: only
+        open what the read needs (CUDA IPC mappings, copy plan; a check of
+        process_vm_readv rights) and write nothing."""
         if not isinstance(meta, SglangIpcTransportMetadata) or not meta.tensor_meta or not targets:
             return None
         path = self.cma if meta.cma is not None else self.cuda_ipc
@@ -283,11 +285,12 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
         t0 = time.perf_counter()
         info = FetchInfo(obj_id=obj_id, path=name)
         try:
-            out = path.receive(meta, targets, info)
+            out = path.receive(meta, targets, info, copy=copy)
         except MappingFailed:
             return None  # refused before any byte moved
         info.seconds = time.perf_counter() - t0
-        self._done(info)
+        if copy:
+            self._done(info)
         return out
 
     def send_multiple_tensors(self, tensors, tensor_transport_metadata, communicator_metadata):

@@ -119,7 +119,7 @@ class ToyRank:
         return p.data_ptr()
 
     def registered_ptrs(self):
-        book = self.receiver._registrations
+        book = self.receiver._registration.book
         return sorted(k[1] for k in book._entries) if book is not None else []
 
     def make_noncontiguous(self, name: str):

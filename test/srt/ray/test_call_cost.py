@@ -77,7 +77,7 @@ def _specs(model, names):
 def _plan(recv, specs, names):
     """What a pull does before anything moves: plan, then registrations."""
     targets, walked, reused = recv._plans.plan(specs, [names])
-    recv._sync_registrations(targets, walked, reused)
+    recv._registration.sync_for_pull(targets, walked, reused)
     return targets[0], walked, reused
 
 

@@ -42,6 +42,7 @@ from sglang.srt.ray.rdt.engine.refs import (
     transport_used,
 )
 from sglang.srt.ray.rdt.engine.registration import (
+    ParameterRegistration,
     RegistrationBook,
     close_cached_mappings,
     warn_if_expandable_segments,
@@ -76,17 +77,15 @@ class RdtWeightReceiver:
         self._device = device
         self._nixl_traps = NixlTrapWarnings(device)  # writers told about a slow NIXL path
         self.pull_timeout_s = pull_timeout_s
-        self._registration_disabled_reason = registration_disabled_reason
-        self._registrations = registrations
         self._lock = threading.Lock()
         self._closed = False
-        self._want_registered = False
-        self._registered_layout = None  # params' (data_ptr, numel) at the last sync
         self._weights_released = False
         # The live parameters as one walk of the model found them, and the
         # pull plans made against them (when they are trusted, checked
         # again, or dropped: PlanCache).
         self._plans = PlanCache(get_params)
+        self._registration = ParameterRegistration(get_params, self._plans,
+                                                   registration_disabled_reason, registrations)
         # What updates wrote, consistency and counters (the rank's one owner).
         self.state = state or RankUpdateState(param_names=lambda: list(get_params()))
 
@@ -94,74 +93,48 @@ class RdtWeightReceiver:
     # Registration
     # ------------------------------------------------------------------ #
     def register(self) -> Dict[str, Any]:
-        if self._registration_disabled_reason:
-            logger.info(
-                "[RDT] register_weight_for_rdt skipped: %s", self._registration_disabled_reason
-            )
-            return {"registered": False, "reason": self._registration_disabled_reason}
+        reason = self._registration.disabled_reason
+        if reason:
+            logger.info("[RDT] register_weight_for_rdt skipped: %s", reason)
+            return {"registered": False, "reason": reason}
         with self._lock:
             self._check_open()
             self._bind_device()
-            if self._registrations is None:
-                self._registrations = RegistrationBook()
             if self._weights_released:
                 raise WeightSyncError(
                     "weights are released (memory saver); resume memory occupation first"
                 )
             t0 = time.perf_counter()
-            params = [p.data for p in self._get_params().values()]
-            warn_if_expandable_segments(params)
-            changes = self._registrations.sync(params)
-            self._registered_layout = None
-            self._forget_params()
-            self._want_registered = True
+            changes = self._registration.register()
             dt = time.perf_counter() - t0
-        logger.info(
-            "[RDT] registered %d parameter storages (%.1f MiB) with NIXL in %.3f s",
-            len(self._registrations), self._registrations.nbytes / 2**20, dt,
-        )
+        book = self._registration.book
+        logger.info("[RDT] registered %d parameter storages (%.1f MiB) with NIXL in %.3f s",
+                    len(book), book.nbytes / 2**20, dt)
         return {
             "registered": True,
             "new_registrations": changes["added"],
             "dropped_stale_registrations": changes["dropped"],
-            "registrations": len(self._registrations),
-            "bytes": self._registrations.nbytes,
+            "registrations": len(book),
+            "bytes": book.nbytes,
             "seconds": dt,
         }
 
     def deregister(self) -> int:
         with self._lock:
-            self._want_registered = False
-            return self._release_registrations()
-
-    def _release_registrations(self) -> int:
-        self._registered_layout = None
-        self._forget_params()
-        if self._registrations is None:
-            return 0
-        n = self._registrations.release_all()
-        if n:
-            logger.info("[RDT] released %d NIXL registrations", n)
-        return n
+            self._registration.wanted = False
+            return self._registration.release()
 
     # Memory saver: storage keeps its address but loses its pages; a
     # registration must not outlive the pages it describes.
     def on_weights_released(self) -> None:
         with self._lock:
             self._weights_released = True
-            self._release_registrations()
+            self._registration.release()
 
     def on_weights_resumed(self) -> None:
         with self._lock:
             self._weights_released = False
-            self._registered_layout = None
-            self._forget_params()
-            if self._want_registered and self._registrations is not None:
-                self._registrations.sync([p.data for p in self._get_params().values()])
-                logger.info(
-                    "[RDT] re-registered %d parameter storages after resume",
-                    len(self._registrations),
-                )
+            self._registration.resumed()
 
     def close(self) -> None:
         """Release registrations (and cached IPC mappings); refuse later pulls."""
@@ -209,16 +182,16 @@ class RdtWeightReceiver:
 
     @property
     def registered(self) -> bool:
-        return bool(self._registrations)
+        return bool(self._registration.book)
 
     def status(self) -> Dict[str, Any]:
         """Registration facts plus the update state's status."""
         return {
             **self.state.status(),
             "registered": self.registered,
-            "registrations": len(self._registrations or ()),
+            "registrations": len(self._registration),
             "weights_released": self._weights_released,
-            "registration_disabled_reason": self._registration_disabled_reason,
+            "registration_disabled_reason": self._registration.disabled_reason,
         }
 
     # ------------------------------------------------------------------ #
@@ -304,8 +277,7 @@ class RdtWeightReceiver:
             names = group_names(param_names, [len(s) for s in specs])
             targets, walked, reused = self._plans.plan(specs, names)
             lap("plan")
-            if self._want_registered and self._registrations is not None:
-                self._sync_registrations(targets, walked, reused)
+            self._registration.sync_for_pull(targets, walked, reused)
             warn_if_expandable_segments([t for ts in targets for t in ts])
             lap("registration")
             nbytes = sum(t.numel() * t.element_size() for ts in targets for t in ts)
@@ -404,23 +376,3 @@ class RdtWeightReceiver:
         lap("log")
         stats["timing"]["pull_end"] = mark
         return stats
-
-    def _sync_registrations(self, targets, walked: bool, reused: bool) -> None:
-        """Keep the NIXL registrations on the parameters' current storage.
-
-        After a fresh walk: compare every parameter's (address, size) with
-        the last sync (post-load processing may have re-allocated any of
-        them). Otherwise only this pull's targets need to be covered: a
-        reused plan's targets did not move since they were covered
-        (``CachedPlan.still_live``; any change of the registrations drops the
-        plans), a new plan's are looked up in the registration book.
-        """
-        book = self._registrations
-        if not walked and (reused or all(book.covers(t) for ts in targets for t in ts)):
-            return
-        params = self._plans.params if self._plans.params is not None else self._get_params()
-        layout = [(p.data_ptr(), p.numel()) for p in params.values()]
-        if layout != self._registered_layout:
-            book.sync([p.data for p in params.values()])
-            self._registered_layout = layout
-

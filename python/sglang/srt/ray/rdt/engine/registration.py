@@ -1,7 +1,9 @@
 """Keeping a rank's parameters registered with NIXL, and the memory that cannot be.
 
-:class:`RegistrationBook` registers each parameter's storage once and
-re-registers only what moved (weights released and resumed, a model reload);
+:class:`ParameterRegistration` decides when (asked for at connect, kept on the
+parameters' current storage at every pull, dropped and re-made around memory
+release/resume); :class:`RegistrationBook` registers each parameter's storage
+once and re-registers only what moved (weights released and resumed, a model reload);
 memory from PyTorch's ``expandable_segments`` allocator cannot be exported by
 legacy CUDA IPC, which UCX needs for a GPU-to-GPU path: it is detected and
 named before a pull silently crawls over TCP.
@@ -133,3 +135,78 @@ class RegistrationBook:
                 n += 1
         return n
 
+
+
+class ParameterRegistration:
+    """Whether a rank's parameters stay registered with NIXL, and on which storage.
+
+    ``register()`` (the trainer's ``register_weight_for_rdt``) asks for it;
+    every pull then keeps the registrations on the parameters' current
+    storage (:meth:`sync_for_pull`), and memory release/resume drops and
+    re-makes them. Any change of the registrations drops the pull plans
+    (``plans.forget()``). Callers hold the receiver's lock.
+    """
+
+    def __init__(self, get_params, plans, disabled_reason: Optional[str] = None,
+                 book: Optional[RegistrationBook] = None):
+        self._get_params = get_params
+        self._plans = plans
+        self.disabled_reason = disabled_reason
+        self.book = book
+        self.wanted = False
+        self._layout = None  # the parameters' (data_ptr, numel) at the last sync
+
+    def __len__(self) -> int:
+        return len(self.book or ())
+
+    def register(self) -> Dict[str, int]:
+        """Register every parameter's storage (idempotent); what changed."""
+        if self.book is None:
+            self.book = RegistrationBook()
+        params = [p.data for p in self._get_params().values()]
+        warn_if_expandable_segments(params)
+        changes = self.book.sync(params)
+        self._layout = None
+        self._plans.forget()
+        self.wanted = True
+        return changes
+
+    def release(self) -> int:
+        """Deregister everything (``wanted`` stays: resume registers again)."""
+        self._layout = None
+        self._plans.forget()
+        if self.book is None:
+            return 0
+        n = self.book.release_all()
+        if n:
+            logger.info("[RDT] released %d NIXL registrations", n)
+        return n
+
+    def resumed(self) -> None:
+        """The weights' memory is back: register it again if it was wanted."""
+        self._layout = None
+        self._plans.forget()
+        if self.wanted and self.book is not None:
+            self.book.sync([p.data for p in self._get_params().values()])
+            logger.info("[RDT] re-registered %d parameter storages after resume", len(self.book))
+
+    def sync_for_pull(self, targets, walked: bool, reused: bool) -> None:
+        """Keep the registrations on the parameters' current storage.
+
+        After a fresh walk: compare every parameter's (address, size) with
+        the last sync (post-load processing may have re-allocated any of
+        them). Otherwise only this pull's targets need to be covered: a
+        reused plan's targets did not move since they were covered
+        (``CachedPlan.still_live``; any change of the registrations drops the
+        plans), a new plan's are looked up in the registration book.
+        """
+        if not self.wanted or self.book is None:
+            return
+        book = self.book
+        if not walked and (reused or all(book.covers(t) for ts in targets for t in ts)):
+            return
+        params = self._plans.params if self._plans.params is not None else self._get_params()
+        layout = [(p.data_ptr(), p.numel()) for p in params.values()]
+        if layout != self._layout:
+            book.sync([p.data for p in params.values()])
+            self._layout = layout

@@ -1002,6 +1002,20 @@ class ClientTrainer(_Side):
 
             sender._do_put = put
 
+    def put_ipc(self, seed: int):
+        """The whole model as one SGLANG_IPC ref (IPC only, as zero-copy
+        updates put it), owned by this process; returned nested."""
+        from sglang.srt.ray.rdt.transport import sglang_ipc
+
+        self.pattern.fill(self.tensors, seed)
+        sync(self.device)
+        with sglang_ipc.put_options(nixl=False if self.device.type == "cuda" else None):
+            self._kept = ray.put(list(self.tensors), _tensor_transport="SGLANG_IPC")
+        return [self._kept]
+
+    def pid(self):
+        return os.getpid()
+
     def miles(self, rank, bucket_bytes: int, rounds: int, seed0: int, transport: str = "SGLANG_IPC"):
         """miles' trainer loop, by hand: one registered bucket buffer; per
         bucket, stage the (HF-layout) tensors into it, synchronize, ray.put
@@ -1166,6 +1180,117 @@ class ClientTrainer(_Side):
         finally:
             client.close()
         return {"register_seconds": register_s, "register_extra_bytes": register_extra, "updates": out}
+
+
+def _dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _last_line(err: Optional[str]) -> str:
+    """The exception line of a (Ray-wrapped) error: the rank's own message."""
+    lines = [ln.strip() for ln in (err or "").splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def run_fault(wname: str, specs, args, log) -> Dict[str, Any]:
+    """The trainer's process dies around a same-node (SGLANG_IPC) pull.
+
+    (a) it dies after its put, before the rank reads: the pull must fail in
+    bounded time with no byte written; (b) it is killed while the rank pulls:
+    the pull either completes with every byte as put, or fails in bounded
+    time and the rank reports its weights inconsistent; (c) the next full
+    update from a new trainer lands, every byte checked, and the rank is
+    consistent again. FAULT_CHECK says whether all held."""
+    cuda = args.device == "cuda"
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if cuda else {}
+    if os.environ.get(SRC_ENV):
+        env[SRC_ENV] = os.environ[SRC_ENV]
+    opts = {"num_gpus": gpu_share(args), "runtime_env": {"env_vars": env}}
+    names = [n for n, _, _ in specs]
+    rank = ClientRank.options(**opts).remote(specs, args.device)
+    out: Dict[str, Any] = {}
+
+    def pull(ref_list, bound_s=60.0):
+        t0 = time.perf_counter()
+        try:
+            get(rank.pull_weights.remote(ref_list, names, 30.0), timeout=bound_s)
+            err = None
+        except Exception as e:  # the rank's error, or Ray's
+            err = f"{type(e).__name__}: {e}"
+        return err, time.perf_counter() - t0
+
+    def consistent():
+        return bool(get(rank.get_weight_sync_status.remote())["weights_consistent"])
+
+    def end_update(version):
+        try:
+            return get(rank.finalize_weight_update.remote(version))
+        except Exception as e:  # an update that ended inconsistent says so
+            return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+    def full_update(seed, version):
+        """A complete update from a new trainer: every byte checked."""
+        t = ClientTrainer.options(**opts).remote(specs, args.device)
+        try:
+            get(rank.poison.remote(seed))
+            end_update(f"before-{version}")  # the earlier update ends (maybe inconsistent)
+            err, dt = pull(get(t.put_ipc.remote(seed)))
+            fin = end_update(version)
+        finally:
+            ray.kill(t)
+        c = {"error": _last_line(err), "seconds": dt, "bytes_ok": get(rank.verify.remote(seed))["ok"],
+             "consistent": consistent(), "weight_version": fin.get("weight_version")}
+        c["ok"] = err is None and c["bytes_ok"] and c["consistent"]
+        return c
+
+    try:
+        poison = 40_000
+        get(rank.poison.remote(poison - 7919))  # the rank holds pattern(poison)
+        t = ClientTrainer.options(**opts).remote(specs, args.device)
+        refs, pid = get(t.put_ipc.remote(41_000)), get(t.pid.remote())
+        ray.kill(t)
+        deadline = time.monotonic() + 60
+        while not _dead(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        err, dt = pull(refs)
+        out["a_owner_dead_before_pull"] = a = {
+            "error": _last_line(err), "seconds": dt,
+            "unchanged": get(rank.verify.remote(poison))["ok"], "consistent": consistent()}
+        a["ok"] = err is not None and dt < 30 and a["unchanged"]
+        log(f"  fault (a) trainer dead before the pull: {'ok' if a['ok'] else 'NOT OK'} {a}")
+        out["a_then_full_update"] = c = full_update(41_500, "after-a")
+        log(f"  fault (a) then a full update: {'ok' if c['ok'] else 'NOT OK'} {c}")
+
+        t = ClientTrainer.options(**opts).remote(specs, args.device)
+        refs = get(t.put_ipc.remote(42_000))
+        call = rank.pull_weights.remote(refs, names, 30.0)
+        ray.kill(t)  # lands before, during or after the copy
+        t0 = time.perf_counter()
+        try:
+            get(call, timeout=60)
+            err = None
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        b = {"error": _last_line(err), "seconds": time.perf_counter() - t0,
+             "consistent": consistent()}
+        b["bytes_ok"] = get(rank.verify.remote(42_000))["ok"] if err is None else None
+        # Completed: every byte as put; broken: bounded, and the rank says so.
+        b["ok"] = bool(b["bytes_ok"] and b["consistent"]) if err is None else (
+            b["seconds"] < 30 and not b["consistent"])
+        out["b_killed_during_pull"] = b
+        log(f"  fault (b) trainer killed during the pull: {'ok' if b['ok'] else 'NOT OK'} {b}")
+
+        out["c_next_full_update"] = c = full_update(43_000, "after-fault")
+        log(f"  fault (c) next full update: {'ok' if c['ok'] else 'NOT OK'} {c}")
+    finally:
+        ray.kill(rank)
+    out["ok"] = all(out[k]["ok"] for k in ("a_owner_dead_before_pull", "a_then_full_update",
+                                           "b_killed_during_pull", "c_next_full_update"))
+    return out
 
 
 def run_client(wname: str, specs, args, log) -> Dict[str, Any]:
@@ -1427,6 +1552,9 @@ def run_workload(wname: str, specs, args, log) -> Dict[str, Any]:
     if "client" in args.paths:
         log(f"[{wname}] WeightSyncClient updates ...")
         section("client", lambda: res.__setitem__("client", run_client(wname, specs, args, log)))
+    if "fault" in args.paths:
+        log(f"[{wname}] the trainer dies around a same-node pull ...")
+        section("fault", lambda: res.__setitem__("fault", run_fault(wname, specs, args, log)))
     return res
 
 
@@ -1587,6 +1715,7 @@ def stage_table(res: Dict[str, Any]) -> List[Tuple[str, str, str]]:
 
 def print_report(results: Dict[str, Any], args) -> bool:
     all_ok = True
+    fault_runs: List[bool] = []
     print()
     for wname, res in results["workloads"].items():
         s = summarize(res, args.device)
@@ -1633,7 +1762,12 @@ def print_report(results: Dict[str, Any], args) -> bool:
         if res.get("pointers_unchanged") is False:
             all_ok = False
             print("!! receiver tensors moved (data_ptr changed)")
+        if res.get("fault") is not None:
+            fault_runs.append(res["fault"]["ok"])
         print()
+    if fault_runs:
+        print("FAULT_CHECK:", "PASS" if all(fault_runs) else "FAIL")
+        all_ok = all_ok and all(fault_runs)
     print("BYTE_CHECK:", "PASS" if all_ok else "FAIL")
     return all_ok
 
@@ -1652,7 +1786,7 @@ def main(argv=None) -> int:
     ap.add_argument("--uniform", default=None, help="NxMiB, default 256x32 (cuda) / 16x4 (cpu)")
     ap.add_argument("--model", default=None, help="preset (qwen3-4b, tiny) or a config dir; default qwen3-4b (cuda) / tiny (cpu)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    ap.add_argument("--paths", default=None, help="comma list of pull,nccl,ipc,client (default: all that apply; client only on cuda)")
+    ap.add_argument("--paths", default=None, help="comma list of pull,nccl,ipc,client,fault (default: all that apply but fault; client only on cuda)")
     ap.add_argument("--steady", type=int, default=5, help="steady pulls after the cold one")
     ap.add_argument("--reps", type=int, default=5, help="repetitions of each ceiling copy")
     ap.add_argument("--ceiling-streams", default="1,4", help="copy-engine ceiling stream counts")

@@ -75,7 +75,7 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "test" / "srt" / "ray"
 
 # The rank's stages, in the order they happen (see the module docstring).
-RANK_STAGES = ["metadata", "plan", "registration", "admit", "set_target", "transfer",
+RANK_STAGES = ["metadata", "plan", "registration", "admit", "set_target", "direct", "transfer",
                "verify", "record", "log"]
 ROWS = ["dispatch", "safe-point pickup", "quiesce check", *RANK_STAGES,
         "safe-point handoff", "reply"]
@@ -114,9 +114,15 @@ def split(out: Dict[str, Any], t_send: float, t_recv: float) -> Dict[str, float]
 def make_trainer(ray):
     @ray.remote(num_cpus=0, max_concurrency=2)
     class CallCostTrainer:
-        def __init__(self, shapes, dtypes):
+        def __init__(self, shapes, dtypes, transport="nixl"):
             import torch
             from ray.experimental import register_nixl_memory
+
+            self.transport = transport
+            if transport == "SGLANG_IPC":
+                from sglang.srt.ray.rdt.transport import sglang_ipc
+
+                sglang_ipc.register()
 
             try:  # a trainer importing the fork gets a NIXL progress thread that sleeps
                 import sglang.srt.ray  # noqa: F401
@@ -139,7 +145,7 @@ def make_trainer(ray):
             self.refs = []
 
         def put(self):
-            ref = ray.put(self.views, _tensor_transport="nixl")
+            ref = ray.put(self.views, _tensor_transport=self.transport)
             self.refs = [ref]  # the previous call's ref is dropped
             return [ref]
 
@@ -236,7 +242,11 @@ def measure(args, url: str, log=print) -> Dict[str, Any]:
     names = sorted(layout, key=lambda n: (abs(nbytes(n) - args.bytes), n))[: args.tensors]
     shapes = [layout[n]["shape"] for n in names]
     dtypes = [layout[n]["dtype"] for n in names]
-    trainer = make_trainer(ray).remote(shapes, dtypes)
+    if args.transport == "SGLANG_IPC":
+        from sglang.srt.ray.rdt.transport import sglang_ipc
+
+        sglang_ipc.register()  # before the actors that use it are created
+    trainer = make_trainer(ray).remote(shapes, dtypes, args.transport)
     ray.get(trainer.put.remote(), timeout=120)
 
     def begin() -> None:
@@ -303,6 +313,7 @@ def measure(args, url: str, log=print) -> Dict[str, Any]:
         "tensors": len(names),
         "names": names,
         "bytes": sum(nbytes(n) for n in names),
+        "transport": args.transport,
         "pause_mode": args.pause_mode,
         "updates": updates,
         "plan_reused": sum(reused) / max(1, len(reused)),
@@ -318,7 +329,7 @@ def measure(args, url: str, log=print) -> Dict[str, Any]:
 def print_table(res: Dict[str, Any], target: float) -> None:
     pull, noop, status = res["pull"], res["noop"], res["status_call"]
     print()
-    print(f"pull_weights of {res['tensors']} tensor(s), {res['bytes']} bytes, "
+    print(f"pull_weights of {res['tensors']} tensor(s), {res['bytes']} bytes put over {res['transport']}, "
           f"{res['calls']} calls after {res['warmup']} warm-up, {res['updates']} update(s), "
           f"plan reused in {res['plan_reused']:.0%}; load average "
           + " ".join(f"{x:.1f}" for x in res["load_average"]))
@@ -358,6 +369,8 @@ def main(argv=None) -> int:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of the Ray head started here, so of every actor "
                         "(e.g. UCX_TLS=cma,tcp,self; repeat)")
+    p.add_argument("--transport", default="nixl", choices=["nixl", "SGLANG_IPC"],
+                   help="how the trainer puts (SGLANG_IPC: the same-node path, read without ray.get)")
     p.add_argument("--target", type=float, default=2.0, help="p50 ratio to the no-op call")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)

@@ -39,9 +39,7 @@ from ray_harness import (  # noqa: E402,F401  (re-exported for the tests)
     RayHead,
     RayWorkerNode,
     free_port,
-    processes_with,
     start_ray_head,
-    stop_processes,
     wait_healthy,
 )
 

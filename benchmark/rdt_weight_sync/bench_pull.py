@@ -379,6 +379,23 @@ class GcLog:
         return [e for e in self.events if t0 <= e[0] <= t1]
 
 
+def group_by_bytes(sizes: List[int], bucket_bytes: int) -> List[List[int]]:
+    """Consecutive indices of ``sizes`` in groups of at most ``bucket_bytes``
+    (a larger item gets a group of its own)."""
+    out: List[List[int]] = []
+    cur: List[int] = []
+    size = 0
+    for i, n in enumerate(sizes):
+        if cur and size + n > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
 class _Side:
     def _setup(self, specs, device_kind: str, register_ipc: bool):
         import faulthandler
@@ -456,17 +473,7 @@ class _Side:
             self.pg = None
 
     def _buckets(self, bucket_bytes: int) -> List[List[int]]:
-        out, cur, size = [], [], 0
-        for i, t in enumerate(self.tensors):
-            n = t.numel() * t.element_size()
-            if cur and size + n > bucket_bytes:
-                out.append(cur)
-                cur, size = [], 0
-            cur.append(i)
-            size += n
-        if cur:
-            out.append(cur)
-        return out
+        return group_by_bytes([t.numel() * t.element_size() for t in self.tensors], bucket_bytes)
 
     def _barrier(self):
         import torch.distributed as dist
@@ -1025,16 +1032,8 @@ class ClientTrainer(_Side):
         from sglang.srt.ray.rdt.transport import sglang_ipc
 
         sglang_ipc.register()
-        buckets, cur, size = [], [], 0
-        for i, t in enumerate(self.tensors):
-            n = (t.numel() * t.element_size() + 255) // 256 * 256
-            if cur and size + n > bucket_bytes:
-                buckets.append(cur)
-                cur, size = [], 0
-            cur.append(i)
-            size += n
-        if cur:
-            buckets.append(cur)
+        buckets = group_by_bytes(
+            [(t.numel() * t.element_size() + 255) // 256 * 256 for t in self.tensors], bucket_bytes)
         cap = max(sum((self.tensors[i].numel() * self.tensors[i].element_size() + 255) // 256 * 256
                       for i in b) for b in buckets)
         buf = torch.empty(cap, dtype=torch.uint8, device=self.device)

@@ -134,6 +134,17 @@ class DirectRefs:
         self._refs.clear()
 
 
+def group_refs(payloads, groups, put, refs_cache: Optional[DirectRefs] = None):
+    """Each rank group's ref (kept ones reused) and its tensors' names."""
+    refs, names = [], []
+    for i, group in enumerate(groups):
+        payload = payloads[group[0]]
+        names.append(list(payload))
+        tensors = list(payload.values())
+        refs.append(refs_cache.ref_for(i, tensors, put) if refs_cache is not None else put(tensors))
+    return refs, names
+
+
 def run_direct(
     ranks: Sequence[RankInfo],
     payloads: Sequence[Mapping[str, torch.Tensor]],
@@ -152,12 +163,7 @@ def run_direct(
     ``finalize`` each rank also ends the update in that call (its one pull is
     its last)."""
     t_start = time.perf_counter()
-    refs, names = [], []
-    for i, group in enumerate(groups):
-        payload = payloads[group[0]]
-        names.append(list(payload))
-        tensors = list(payload.values())
-        refs.append(refs_cache.ref_for(i, tensors, put) if refs_cache is not None else put(tensors))
+    refs, names = group_refs(payloads, groups, put, refs_cache)
     put_seconds = time.perf_counter() - t_start
     t0 = time.perf_counter()
     run.session_id = open_session()
@@ -224,12 +230,9 @@ def prepare(client, named_tensors) -> Optional[str]:
     if blocker is not None:
         return blocker
     client._direct_used = True
-    calls = []
-    for i, group in enumerate(groups):
-        payload = payloads[group[0]]
-        ref = client._direct_refs.ref_for(i, list(payload.values()), put_direct)
-        calls += [(r, client.ranks[r].actor.prepare_pull_weights.remote([ref], list(payload)))
-                  for r in group]
+    refs, names = group_refs(payloads, groups, put_direct, client._direct_refs)
+    calls = [(r, client.ranks[r].actor.prepare_pull_weights.remote([ref], ns))
+             for ref, ns, group in zip(refs, names, groups) for r in group]
     client._gather(calls, "prepare_pull_weights", client.call_timeout_s)
     return None
 

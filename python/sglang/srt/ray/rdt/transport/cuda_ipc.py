@@ -222,15 +222,15 @@ class CudaIpcPath:
                 info.plan = "reused"
             info.open_seconds = time.perf_counter() - t0
             info.copies, info.streams, info.method = plan.copies, len(plan.queues), method
-            if not copy:
+            if copy:
+                t1 = time.perf_counter()
+                self._launch(plan, engine_ord, dst_ord, method, info)
+                cache.used(plan, ipc.sender)  # bookkeeping while the copy engine works
+                for s in plan.streams:
+                    s.synchronize()  # host-side: no cross-GPU event wait
+                info.copy_seconds = time.perf_counter() - t1
+            else:
                 cache.used(plan, ipc.sender)
-                return tensors
-            t1 = time.perf_counter()
-            self._launch(plan, engine_ord, dst_ord, method, info)
-            cache.used(plan, ipc.sender)  # bookkeeping while the copy engine works
-            for s in plan.streams:
-                s.synchronize()  # host-side: no cross-GPU event wait
-            info.copy_seconds = time.perf_counter() - t1
             if not cache.enabled:
                 cache.close_pending()
         return tensors

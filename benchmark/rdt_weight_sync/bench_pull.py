@@ -926,7 +926,11 @@ class ClientRank(_Side):
         return self.sync.finalize(weight_version, flush_cache)
 
     def release_weight_sync_mappings(self, sender_token=None):
-        return self.sync.receiver.release_sender(sender_token)
+        return self.sync.release_sender(sender_token)
+
+    def open_weight_sync_lane(self, sender_token):
+        # Lane calls run this actor's pull_weights (the bench's per-pull stamps).
+        return self.sync.open_lane(sender_token, pull=self.pull_weights)
 
     def abort_weight_update(self, reason="aborted"):
         return self.sync.abort(reason)
@@ -1129,8 +1133,12 @@ class ClientTrainer(_Side):
     def run(self, rank, transport: str, bucket_bytes: int, rounds: int, seed0: int):
         from sglang.srt.ray.rdt.trainer.client import WeightSyncClient
 
-        transport, _, export = transport.partition(":")
-        kw = {"export": export} if export else {}
+        # TRANSPORT[:EXPORT][:nolane], e.g. SGLANG_IPC:buckets, SGLANG_IPC:nolane
+        transport, *opts = transport.split(":")
+        kw = {"lane": False} if "nolane" in opts else {}
+        export = [o for o in opts if o != "nolane"]
+        if export:
+            kw["export"] = export[0]
         client = WeightSyncClient(
             [rank], names=["bench-rank"], sender="local", device=str(self.device),
             bucket_bytes=bucket_bytes, transport=transport, **kw,

@@ -83,7 +83,8 @@ class FakeRank:
             if finalize is not None:  # ended the update in this call
                 self.finalized.append(finalize.get("weight_version"))
             self.pulls.append({"names": list(names), "start": start, "end": time.time(),
-                               "finalize": finalize, "plan_reused": stats["plan_reused"]})
+                               "finalize": finalize, "plan_reused": stats["plan_reused"],
+                               "thread": threading.current_thread().name})
             return stats
 
     def prepare_pull_weights(self, refs, names):
@@ -101,7 +102,11 @@ class FakeRank:
         return self.sync.status()
 
     def release_weight_sync_mappings(self, sender_token=None):
-        return self.sync.receiver.release_sender(sender_token)
+        return self.sync.release_sender(sender_token)
+
+    def open_weight_sync_lane(self, sender_token):
+        # Lane calls run this actor's pull_weights (its delay, failure and log).
+        return self.sync.open_lane(sender_token, pull=self.pull_weights)
 
     # --- inspection ------------------------------------------------------ #
     def state(self) -> Dict[str, torch.Tensor]:

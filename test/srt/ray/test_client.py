@@ -377,6 +377,53 @@ def test_register_with_the_tensors_prepares_the_first_direct_update_and_writes_n
     assert_ranks_hold(toy, weights)
 
 
+def test_zero_copy_pulls_of_a_kept_ref_go_over_the_ranks_call_lane(toy):
+    """Once a rank has read the kept ref through Ray, the next updates send
+    its pull (with the update's end) over the rank's same-node lane: the same
+    pull on the rank, bytes checked; a rank that no longer holds the ref says
+    so and the call goes through Ray; lane=False never uses it."""
+    ray = toy.ray
+    ray.get([r.configure.remote(delay_s=0.0, fail=None) for r in toy.ranks])
+    n_pulls = [len(ray.get(r.log.remote())["pulls"]) for r in toy.ranks]
+    weights = new_weights(seed=45)
+    with WeightSyncClient(toy.ranks, names=toy.names, sender="local", export="direct") as client:
+        stats = [client.update(weights, version="lane-1")]
+        for k in (2, 3):
+            for t in weights.values():
+                t.add_(1.0)
+            stats.append(client.update(weights, version=f"lane-{k}"))
+            assert_ranks_hold(toy, weights)
+        assert [s.lane_calls for s in stats] == [0, 2, 2]
+        # A rank that dropped the ref (its trainer released it) answers before
+        # anything moves; the client sends the same pull through Ray.
+        ray.get(toy.ranks[0].release_weight_sync_mappings.remote(sglang_ipc_token()))
+        for t in weights.values():
+            t.mul_(0.5)
+        stats.append(client.update(weights, version="lane-4"))
+        assert stats[-1].lane_calls == 2  # both sent over the lane; rank 0 then through Ray
+        assert_ranks_hold(toy, weights)
+        st = ray.get(toy.ranks[1].get_weight_sync_status.remote())
+        assert st["lane"]["open"] and st["lane"]["held_refs"] == 1
+        assert (st["weights_consistent"], st["weight_version"]) == (True, "lane-4")
+    for i, (r, k) in enumerate(zip(toy.ranks, n_pulls)):
+        pulls = ray.get(r.log.remote())["pulls"][k:]
+        threads = ["lane" if p["thread"] == "rdt-lane" else "ray" for p in pulls]
+        assert threads == ["ray", "lane", "lane", "ray" if i == 0 else "lane"], (i, threads)
+        assert [p["finalize"]["weight_version"] for p in pulls] == [f"lane-{k}" for k in (1, 2, 3, 4)]
+    # Closed: the ranks hold nothing of this trainer any more.
+    assert ray.get(toy.ranks[1].get_weight_sync_status.remote())["lane"]["held_refs"] == 0
+    with WeightSyncClient(toy.ranks, names=toy.names, sender="local", export="direct",
+                          lane=False) as client:
+        client.update(weights, version="nolane-1")
+        assert client.update(weights, version="nolane-2").lane_calls == 0
+
+
+def sglang_ipc_token():
+    from sglang.srt.ray.rdt.transport import sglang_ipc
+
+    return sglang_ipc.sender_token()
+
+
 def test_direct_export_failure_aborts_only_the_ranks_whose_pull_failed(toy):
     ray = toy.ray
     ray.get([toy.ranks[0].configure.remote(delay_s=0.0, fail=None),

@@ -7,6 +7,7 @@ engine's update session and status routes.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.ray.rdt.errors import WeightSyncRankError, unwrap
@@ -21,15 +22,26 @@ def gather(
     timeout_s: float,
     name_of: Callable[[int], Optional[str]] = lambda rank: None,
 ) -> Dict[int, Any]:
-    """Wait for ``[(rank, ref)]`` within ``timeout_s``; one
-    :class:`WeightSyncRankError` naming every rank that failed or timed out."""
+    """Wait for ``[(rank, call)]`` within ``timeout_s``; one
+    :class:`WeightSyncRankError` naming every rank that failed or timed out.
+    A call is an actor call's ObjectRef or anything with ``result(timeout_s)``
+    (a same-node lane call, ``trainer/lane.py``)."""
     import ray
 
-    refs = [ref for _, ref in calls]
-    _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    pending = set(not_ready)
+    deadline = time.monotonic() + timeout_s
+    refs = [ref for _, ref in calls if isinstance(ref, ray.ObjectRef)]
+    pending = set()
+    if refs:
+        _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        pending = set(not_ready)
     results, failures = {}, []
     for rank, ref in calls:
+        if not isinstance(ref, ray.ObjectRef):
+            try:
+                results[rank] = ref.result(max(0.0, deadline - time.monotonic()))
+            except Exception as e:
+                failures.append((rank, unwrap(e)))
+            continue
         if ref in pending:
             failures.append((rank, TimeoutError(
                 f"no answer within {timeout_s:.0f} s (is its scheduler stuck?)")))
@@ -42,6 +54,20 @@ def gather(
         rank, cause = failures[0]
         raise WeightSyncRankError(rank, name_of(rank), phase, cause, failures)
     return results
+
+
+def settle(calls: Sequence[Tuple[int, Any]], timeout_s: float) -> None:
+    """Wait (bounded, results ignored) until every call of ``[(rank, call)]``
+    has finished — e.g. before a trainer may change tensors ranks read."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    refs = [ref for _, ref in calls if isinstance(ref, ray.ObjectRef)]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for _, call in calls:
+        if not isinstance(call, ray.ObjectRef):
+            call.wait(max(0.0, deadline - time.monotonic()))
 
 
 def call_ranks(

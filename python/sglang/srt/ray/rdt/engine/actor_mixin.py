@@ -9,6 +9,8 @@
     Write the tensors behind RDT refs straight into live parameters.
 ``prepare_pull_weights(weights_refs, param_names)``
     All of a pull but the bytes (checks, plan, same-node mappings), once at connect.
+``open_weight_sync_lane(sender_token)``
+    A same-node call lane: later pulls of refs read once, without Ray's round trip.
 
 The update around the pulls is sglang's own lifecycle, over HTTP (what miles
 does: ``/pause_generation``, ``/begin_weight_update``, pulls,
@@ -283,7 +285,16 @@ class RdtWeightSyncMixin:
         memory (``sender_token``; every sender: ``None``). A trainer calls it
         before it frees buckets it declared persistent (``WeightSyncClient``
         does, on close and when its buckets grow). Returns how many closed."""
-        return self._sync().receiver.release_sender(sender_token)
+        return self._sync().release_sender(sender_token)
+
+    def open_weight_sync_lane(self, sender_token: str) -> Dict[str, Any]:
+        """A same-node call lane for the trainer process ``sender_token``
+        (``sglang_ipc.sender_token()`` there): ``{"address", "secret", "pid",
+        "node_id"}``. Over it that trainer sends ``pull_weights`` of refs
+        this rank already read from it once through Ray, without a Ray round
+        trip (:mod:`sglang.srt.ray.rdt.engine.local_lane`);
+        ``WeightSyncClient`` does for zero-copy updates."""
+        return self._sync().open_lane(sender_token)
 
     def shutdown_weight_sync(self) -> int:
         """Release NIXL registrations; later pulls are refused."""

@@ -11,16 +11,17 @@ ref here first is what keeps a rejected update from touching any weight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+import operator
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 from sglang.srt.ray.rdt.errors import WeightSyncError
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
+    """A pulled tensor's shape and dtype (a tuple: plan keys hash it in C)."""
+
     shape: Tuple[int, ...]
     dtype: Any  # torch.dtype (numpy dtypes are rejected by plan_pull)
 
@@ -175,10 +176,12 @@ class CachedPlan:
     """The targets :func:`plan_pull` chose for one layout, and what each
     target parameter was when planned: object, address, shape, dtype, strides."""
 
-    __slots__ = ("targets", "_checks")
+    __slots__ = ("targets", "nbytes", "count", "_checks")
 
     def __init__(self, targets: List[List[torch.Tensor]], params: Sequence[torch.Tensor]):
         self.targets = targets
+        self.nbytes = sum(t.numel() * t.element_size() for ts in targets for t in ts)
+        self.count = sum(len(ts) for ts in targets)
         self._checks = [(p, p.data_ptr(), p.shape, p.dtype, p.stride()) for p in params]
 
     def still_live(self) -> bool:
@@ -197,6 +200,8 @@ def check_in_place(results, targets, names) -> Optional[str]:
     """None when every fetched tensor *is* its target, else what went wrong."""
     for ref_idx, (got, want, ns) in enumerate(zip(results, targets, names)):
         got = list(got) if isinstance(got, (list, tuple)) else [got]
+        if len(got) == len(want) and all(map(operator.is_, got, want)):
+            continue  # the very target tensors (a same-node read writes into them)
         if len(got) != len(want):
             return f"ref {ref_idx} returned {len(got)} tensors for {len(want)} targets"
         for g, w, n in zip(got, want, ns):
@@ -241,9 +246,15 @@ class PlanCache:
     def mark_stale(self) -> None:
         self._stale = True
 
-    def plan(self, specs, names) -> Tuple[List[List[torch.Tensor]], bool, bool]:
-        """The targets of a pull, whether the model was walked for them, and
-        whether a plan was reused."""
+    def param_names(self) -> List[str]:
+        """The parameter names of the last walk (walks once if none yet)."""
+        if self.params is None:
+            self.params = self._get_params()
+        return list(self.params)
+
+    def plan(self, specs, names) -> Tuple[CachedPlan, bool, bool]:
+        """The plan of a pull (its targets, bytes and tensor count), whether
+        the model was walked for it, and whether a plan was reused."""
         walked = False
         if self._stale:
             fresh = self._get_params()
@@ -251,16 +262,16 @@ class PlanCache:
             if old is None or fresh.keys() != old.keys() or any(fresh[n] is not old[n] for n in fresh):
                 self._plans.clear()
             self.params, walked = fresh, True
-        key = (tuple(tuple(ns) for ns in names), tuple(tuple(ss) for ss in specs))
+        key = (tuple(map(tuple, names)), tuple(map(tuple, specs)))
         plan = self._plans.get(key)
         if plan is not None:
             if plan.still_live():
-                return plan.targets, walked, True
+                return plan, walked, True
             self.forget()  # something moved under us: start over
         if self.params is None:
             self.params, walked = self._get_params(), True
         targets = plan_pull(specs, names, self.params)
         if len(self._plans) >= MAX_CACHED_PLANS:
             self._plans.clear()
-        self._plans[key] = CachedPlan(targets, [self.params[n] for ns in names for n in ns])
-        return targets, walked, False
+        plan = self._plans[key] = CachedPlan(targets, [self.params[n] for ns in names for n in ns])
+        return plan, walked, False

@@ -79,7 +79,8 @@ class RankWeightSync:
         self.transports = list(transports)
         self.flush_at_end = True  # finalize(flush_cache=False) clears it for its update
         self.state = RankUpdateState(
-            param_names=lambda: [n for n, _ in port.named_parameters()],
+            # the receiver's last walk of the model (no walk of its own per update)
+            param_names=lambda: self.receiver.param_names(),
             rank=rank,
             weight_version=port.weight_version,
         )
@@ -90,6 +91,28 @@ class RankWeightSync:
             registration_disabled_reason=registration_disabled_reason,
             state=self.state,
         )
+        self.lane = None  # a RankLane once a trainer on this node opened one
+
+    def open_lane(self, sender: str, pull=None) -> Dict[str, Any]:
+        """The same-node call lane (:mod:`.local_lane`) for trainer process
+        ``sender``: its address and secret. Its refs are kept from now on.
+        A lane call runs :meth:`pull` (or ``pull``, the same call wrapped)."""
+        if self.lane is None:
+            from sglang.srt.ray.rdt.engine.local_lane import RankLane
+
+            self.lane = RankLane(pull or self.pull)
+        out = self.lane.open(sender)
+        from sglang.srt.ray.rdt.transport import sglang_ipc
+
+        out["node_id"] = sglang_ipc.reach()["node_id"]
+        return out
+
+    def release_sender(self, sender: Optional[str] = None) -> int:
+        """Close the cached mappings of ``sender``'s memory (every sender:
+        None) and drop the refs the lane held for it."""
+        if self.lane is not None:
+            self.lane.release(sender)
+        return self.receiver.release_sender(sender)
 
     def on_scheduler(self, fn, timeout_s: float = SAFE_POINT_TIMEOUT_S):
         """Run ``fn()`` on the scheduler thread at its next safe point."""
@@ -119,6 +142,8 @@ class RankWeightSync:
                 raise WeightSyncError(
                     f"finalize= takes weight_version and flush_cache, not {sorted(unknown)}")
         out = self._pull(refs, names, timeout)
+        if self.lane is not None:
+            self.lane.keep(refs)
         if finalize is not None:
             out["finalized"] = self.finalize(finalize.get("weight_version"),
                                              bool(finalize.get("flush_cache", True)))
@@ -155,7 +180,10 @@ class RankWeightSync:
     def prepare(self, refs, names) -> Dict[str, Any]:
         """Check a pull and open what it reads from, writing nothing (scheduler
         thread; no pause needed): :meth:`RdtWeightReceiver.prepare`."""
-        return self.on_scheduler(lambda: self.receiver.prepare(refs, names))
+        out = self.on_scheduler(lambda: self.receiver.prepare(refs, names))
+        if self.lane is not None:
+            self.lane.keep(refs)
+        return out
 
     def begin(self) -> Dict[str, Any]:
         def run():
@@ -260,6 +288,7 @@ class RankWeightSync:
 
         out = {
             **self.receiver.status(),
+            "lane": self.lane.status() if self.lane is not None else {"open": False},
             "transports": list(self.transports),
             "nixl_progress_thread": nixl_progress.describe(),
         }
@@ -297,6 +326,8 @@ class RankWeightSync:
         return self.on_scheduler(lambda: parameter_checksums(self.port.named_parameters()))
 
     def shutdown(self) -> int:
+        if self.lane is not None:
+            self.lane.close()
         n = self.receiver.deregister()
         self.receiver.close()
         return n

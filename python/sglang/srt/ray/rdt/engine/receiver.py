@@ -50,11 +50,13 @@ from sglang.srt.ray.rdt.engine.registration import (
 from sglang.srt.ray.rdt.engine.update_state import RankUpdateState
 from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
 from sglang.srt.ray.rdt.transport.nixl_progress import configure_nixl_progress_thread
-from sglang.srt.ray.rdt.engine.plan import PlanCache, check_in_place, group_names
+from sglang.srt.ray.rdt.engine.plan import PlanCache, TensorSpec, check_in_place, group_names
 
 logger = logging.getLogger(__name__)
 
 GC_HOLDER = "rank weight update"
+# Refs whose tensor specs a rank keeps (_specs): the last few layouts' refs.
+MAX_KEPT_SPECS = 64
 
 
 class RdtWeightReceiver:
@@ -84,6 +86,7 @@ class RdtWeightReceiver:
         # pull plans made against them (when they are trusted, checked
         # again, or dropped: PlanCache).
         self._plans = PlanCache(get_params)
+        self._ref_specs: Dict[str, List[TensorSpec]] = {}  # by ref id (_specs)
         self._registration = ParameterRegistration(get_params, self._plans,
                                                    registration_disabled_reason, registrations)
         # What updates wrote, consistency and counters (the rank's one owner).
@@ -207,6 +210,23 @@ class RdtWeightReceiver:
         if self._device is not None and self._device.type == "cuda":
             torch.cuda.set_device(self._device)
 
+    def _specs(self, ref, timeout_s: float) -> List[TensorSpec]:
+        """A ref's tensor specs; kept per ref (they never change), so a ref
+        pulled again — a zero-copy trainer's kept ref — is not read again."""
+        key = ref.hex() if hasattr(ref, "hex") else None
+        specs = self._ref_specs.get(key) if key is not None else None
+        if specs is None:
+            specs = ref_tensor_specs(ref, timeout_s)
+            if key is not None:
+                if len(self._ref_specs) >= MAX_KEPT_SPECS:
+                    self._ref_specs.pop(next(iter(self._ref_specs)))
+                self._ref_specs[key] = specs
+        return specs
+
+    def param_names(self) -> List[str]:
+        """The live parameters' names as the last walk of the model found them."""
+        return self._plans.param_names()
+
     def _enter_pull(self, weights_refs) -> List[Any]:
         """The refs of a pull, after the checks every pull starts with (lock held)."""
         import ray
@@ -235,9 +255,10 @@ class RdtWeightReceiver:
         t0 = time.perf_counter()
         with self._lock:
             refs = self._enter_pull(weights_refs)
-            specs = [ref_tensor_specs(r, self.pull_timeout_s) for r in refs]
+            specs = [self._specs(r, self.pull_timeout_s) for r in refs]
             names = group_names(param_names, [len(s) for s in specs])
-            targets, _, reused = self._plans.plan(specs, names)
+            plan, _, reused = self._plans.plan(specs, names)
+            targets = plan.targets
             same_node = sum(fetch_same_node(r, ts, copy=False) is not None
                             for r, ts in zip(refs, targets))
         return {
@@ -272,16 +293,17 @@ class RdtWeightReceiver:
                 stages[stage] = now - mark
                 mark = now
 
-            specs = [ref_tensor_specs(r, timeout_s) for r in refs]
+            specs = [self._specs(r, timeout_s) for r in refs]
             lap("metadata")
             names = group_names(param_names, [len(s) for s in specs])
-            targets, walked, reused = self._plans.plan(specs, names)
+            plan, walked, reused = self._plans.plan(specs, names)
+            targets = plan.targets
             lap("plan")
             self._registration.sync_for_pull(targets, walked, reused)
-            warn_if_expandable_segments([t for ts in targets for t in ts])
+            if not reused:
+                warn_if_expandable_segments([t for ts in targets for t in ts])
             lap("registration")
-            nbytes = sum(t.numel() * t.element_size() for ts in targets for t in ts)
-            ntensors = sum(len(ts) for ts in targets)
+            nbytes, ntensors = plan.nbytes, plan.count
             writes = [(ns, ref_writer(r)) for ns, r in zip(names, refs)]
             self._nixl_traps.before_pull(refs, writes)
             self.state.admit(writes)  # no parameter written by two writers

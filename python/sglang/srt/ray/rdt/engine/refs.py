@@ -97,6 +97,17 @@ def fetch_same_node(ref, targets, copy: bool = True) -> Optional[List[Any]]:
                                                   copy=copy)
 
 
+def same_node_sender(ref) -> Optional[str]:
+    """The sender process token of an ``SGLANG_IPC`` ref readable on its node
+    (CUDA IPC or process_vm_readv part), else None."""
+    meta = compat.rdt_metadata(ref)
+    if meta is None or meta.tensor_transport_backend.upper() != SGLANG_IPC:
+        return None
+    tm = meta.tensor_transport_meta
+    part = getattr(tm, "ipc", None) or getattr(tm, "cma", None)
+    return getattr(part, "sender", None)
+
+
 SAME_GPU_NIXL = (
     "UCX has no path between two processes on one GPU and falls back to TCP over "
     "loopback (measured: 0.5 GB/s on an H200, ~4000x slower than the on-device "

@@ -55,6 +55,7 @@ from sglang.srt.ray.rdt.trainer.payloads import (
     tensor_item,
 )
 from sglang.srt.ray.rdt.trainer.discovery import RankInfo, ensure_ray, find_ranks
+from sglang.srt.ray.rdt.trainer.lane import Lanes
 from sglang.srt.ray.rdt.trainer.pipeline import BucketPipeline, Progress
 from sglang.srt.ray.rdt.trainer.sender_link import SenderLink, release_rank_mappings
 from sglang.srt.ray.rdt.trainer.sessions import make_session
@@ -122,6 +123,10 @@ class WeightSyncClient:
             ``"buckets"``: always buckets. Reading in place against a paused
             engine (no ``url``/``engine``), each rank ends the update in its
             one pull call.
+        lane: send a zero-copy update's pulls to ranks on this node over
+            their call lane (a Unix socket; ``engine/local_lane.py``) once
+            they have read the kept ref through Ray — ~60 us a call instead
+            of a Ray round trip (~2.5 ms). ``False``: Ray calls only.
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class WeightSyncClient:
         sender_options: Optional[Dict[str, Any]] = None,
         transport: str = "auto",
         export: str = "auto",
+        lane: bool = True,
     ):
         if transport.lower() not in ("auto", "nixl", "sglang_ipc"):
             raise ValueError(f"transport must be 'auto', 'nixl' or 'SGLANG_IPC', got {transport!r}")
@@ -182,6 +188,7 @@ class WeightSyncClient:
         self._direct_refs = direct.DirectRefs()  # the last zero-copy update's refs
         self._checked = LayoutCheck()  # per rank group: the last layout that passed
         self._trainer_gpu: Optional[tuple] = None
+        self.lanes = Lanes(enabled=lane)  # same-node call lanes to the ranks
 
     # ------------------------------------------------------------------ #
     # Construction
@@ -381,6 +388,7 @@ class WeightSyncClient:
         """Free the bucket buffers (NIXL deregistration) and the sender actor;
         make the ranks close their mappings of the trainer's tensors."""
         self._direct_refs.clear()  # lets go of the trainer's tensors
+        self.lanes.close()
         try:
             if self._direct_used:
                 self._direct_used = False

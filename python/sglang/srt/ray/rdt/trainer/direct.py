@@ -40,6 +40,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.ray.rdt.defaults import SGLANG_IPC
+from sglang.srt.ray.rdt.ranks import settle
+from sglang.srt.ray.rdt.trainer.lane import LaneCall, Lanes
 from sglang.srt.ray.rdt.trainer.discovery import RankInfo
 from sglang.srt.ray.rdt.trainer.pipeline import PipelineRun
 from sglang.srt.ray.rdt.trainer.stats import BucketStats
@@ -113,7 +115,7 @@ class DirectRefs:
 
     @staticmethod
     def _key(tensors: Sequence[torch.Tensor]) -> tuple:
-        return tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.stride()) for t in tensors)
+        return tuple((t.data_ptr(), t.shape, t.dtype, t.stride()) for t in tensors)
 
     def ref_for(self, group: int, tensors: List[torch.Tensor], put: Callable[[List[torch.Tensor]], Any]):
         key = self._key(tensors)
@@ -158,10 +160,12 @@ def run_direct(
     pull_timeout: Optional[float],
     wait_s: float,
     finalize: Optional[Dict[str, Any]] = None,
+    lanes: Optional[Lanes] = None,
 ) -> PipelineRun:
     """One ref and one ``pull_weights`` per rank group; fills ``run``. With
     ``finalize`` each rank also ends the update in that call (its one pull is
-    its last)."""
+    its last). ``lanes``: a rank on this node that read the ref before gets
+    the call over its lane (:mod:`.lane`) instead of through Ray."""
     t_start = time.perf_counter()
     refs, names = group_refs(payloads, groups, put, refs_cache)
     put_seconds = time.perf_counter() - t_start
@@ -171,28 +175,27 @@ def run_direct(
     t_transfer = time.perf_counter()
     run.begin_seconds = t_transfer - t0
     extra = {} if finalize is None else {"finalize": finalize}
-    calls = [
-        (r, ranks[r].actor.pull_weights.remote([ref], ns, pull_timeout, **extra))
-        for ref, ns, group in zip(refs, names, groups) for r in group
-    ]
+    lanes = lanes or Lanes(enabled=False)
+    sends = [(r, ref, ns) for ref, ns, group in zip(refs, names, groups) for r in group]
+    calls = [(r, lanes.pull(ranks[r], ref, ns, pull_timeout, extra)) for r, ref, ns in sends]
     phase = "pull of the trainer's tensors (zero-copy)" + (" and finalize" if finalize else "")
     try:
         results = gather(calls, phase, wait_s)
     except BaseException:
         # Ranks may still be reading the trainer's tensors: wait (bounded)
         # before the caller may change them.
-        import ray
-
-        ray.wait([ref for _, ref in calls], num_returns=len(calls), timeout=wait_s)
+        settle(calls, wait_s)
         raise
+    run.lane_calls = sum(isinstance(c, LaneCall) for _, c in calls)
+    for r, ref, _ in sends:
+        lanes.held(r, ref)
     run.transfer_seconds = time.perf_counter() - t_transfer + put_seconds
     for r, _ in calls:
         for t in str(results[r].get("transport") or "").split(","):
             if t and t not in run.paths:
                 run.paths.append(t)
     for i, (group, ns) in enumerate(zip(groups, names)):
-        payload = payloads[group[0]]
-        nbytes = sum(t.numel() * t.element_size() for t in payload.values())
+        nbytes = int(results[group[0]]["bytes"])  # what the rank's plan counted
         rank_seconds = [float(results[r].get("seconds", 0.0)) for r in group]
         slowest = max(rank_seconds, default=0.0)
         run.buckets.append(BucketStats(
@@ -230,11 +233,20 @@ def prepare(client, named_tensors) -> Optional[str]:
     if blocker is not None:
         return blocker
     client._direct_used = True
+    open_lanes(client)  # before the prepare: the ranks then keep its refs
     refs, names = group_refs(payloads, groups, put_direct, client._direct_refs)
-    calls = [(r, client.ranks[r].actor.prepare_pull_weights.remote([ref], ns))
+    calls = [(r, ref, client.ranks[r].actor.prepare_pull_weights.remote([ref], ns))
              for ref, ns, group in zip(refs, names, groups) for r in group]
-    client._gather(calls, "prepare_pull_weights", client.call_timeout_s)
+    client._gather([(r, call) for r, _, call in calls], "prepare_pull_weights",
+                   client.call_timeout_s)
+    for r, ref, _ in calls:
+        client.lanes.held(r, ref)
     return None
+
+
+def open_lanes(client) -> None:
+    """Open the call lanes of the client's ranks on this node (once)."""
+    client.lanes.open(client.ranks, client._cached_status(), client.call_timeout_s)
 
 
 # --------------------------------------------------------------------------- #

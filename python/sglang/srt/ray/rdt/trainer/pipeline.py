@@ -50,6 +50,7 @@ class PipelineRun:
     session_open: bool = False
     begin_seconds: float = 0.0
     transfer_seconds: float = 0.0
+    lane_calls: int = 0  # pulls sent over a rank's same-node call lane
 
 
 class BucketPipeline:

@@ -44,6 +44,7 @@ class UpdateStats:
     end_seconds: float
     gbps: float
     transport: str = "nixl"  # the path(s) the ranks' pulls took, comma-separated
+    lane_calls: int = 0  # pulls that went over a rank's same-node call lane, not Ray
 
     @classmethod
     def of(cls, run, steps, groups, version, ranks: int, seconds: float,
@@ -62,6 +63,7 @@ class UpdateStats:
             end_seconds=end_seconds,
             gbps=nbytes / run.transfer_seconds / 1e9 if run.transfer_seconds > 0 else 0.0,
             transport=",".join(run.paths) or "none",
+            lane_calls=run.lane_calls,
         )
 
     def as_dict(self) -> Dict[str, Any]:

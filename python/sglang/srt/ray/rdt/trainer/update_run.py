@@ -51,12 +51,14 @@ def run_update(client, named_tensors, version: Optional[str], bucket_bytes: Opti
     try:
         if blocker is None:
             client._direct_used = True
+            direct.open_lanes(client)
             direct.run_direct(
                 client.ranks, payloads, groups, run, put=direct.put_direct,
                 refs_cache=client._direct_refs, gather=client._gather,
                 open_session=client.session.begin, pull_timeout=client.pull_timeout_s,
                 wait_s=wait_s,
                 finalize={"weight_version": version, "flush_cache": flush_cache} if fold else None,
+                lanes=client.lanes,
             )
         else:
             client.pipeline.run(

@@ -1,0 +1,195 @@
+"""The trainer's side of the ranks' same-node call lanes.
+
+A zero-copy update sends each rank one ``pull_weights`` of a ref the rank
+has read before (the trainer's tensors did not move, so the kept ref serves
+again). To a rank on this node that call goes over the rank's lane
+(:mod:`sglang.srt.ray.rdt.engine.local_lane`: a Unix socket, ~60 us a round
+trip) instead of a Ray actor call (~2.5 ms on an H200 host): the rank runs the
+same pull. Everything else — the first pull of a new ref, every other call,
+ranks on other nodes — stays a Ray actor call.
+
+A lane call is waited for like an actor call (:func:`sglang.srt.ray.rdt.ranks.gather`
+takes both). It cannot hang: it is bounded by the caller's timeout, and it
+fails at once when the rank's process is gone. A rank that no longer holds the
+ref answers so before doing anything, and the call goes through Ray instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from sglang.srt.ray.rdt.errors import WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting call looks whether the rank's process still exists.
+LIVENESS_CHECK_S = 0.25
+
+
+class RankGone(RuntimeError):
+    """The rank's process exited while a lane call waited for it."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LaneCall:
+    """One request in flight on a rank's lane; :meth:`result` waits for it."""
+
+    def __init__(self, link: "RankLink", req_id: bytes, fallback: Optional[Callable[[], Any]]):
+        self._link, self._req_id, self._fallback = link, req_id, fallback
+        self._done = False
+        self._value: Any = None
+        self._ray_ref: Any = None  # the actor call it fell back to
+
+    def result(self, timeout_s: float) -> Any:
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        if not self._done:
+            self._value = self._link.receive(self._req_id, deadline)
+            self._done = True
+        kind, *rest = self._value
+        if kind == "ok":
+            return rest[0]
+        if kind == "raise":
+            raise rest[0]
+        why, message = rest
+        from sglang.srt.ray.rdt.engine.local_lane import NOT_HELD
+
+        if why == NOT_HELD and self._fallback is not None:
+            import ray
+
+            if self._ray_ref is None:
+                logger.debug("[RDT] %s; through Ray", message)
+                self._ray_ref = self._fallback()
+            return ray.get(self._ray_ref, timeout=max(0.0, deadline - time.monotonic()))
+        raise WeightSyncError(f"the rank's call lane refused the call ({why}): {message}")
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait until the rank answered (or the time is up); never raises and
+        never starts the actor call a refused lane call falls back to."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        try:
+            if not self._done:
+                self._value = self._link.receive(self._req_id, deadline)
+                self._done = True
+        except Exception:
+            return
+        if self._ray_ref is not None:
+            import ray
+
+            ray.wait([self._ray_ref], timeout=max(0.0, deadline - time.monotonic()))
+
+
+class RankLink:
+    """The trainer's socket to one rank's lane."""
+
+    def __init__(self, address: str, secret: bytes, pid: int):
+        import zmq
+
+        self.address, self._secret, self.pid = address, secret, int(pid)
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._next = 0
+        self._early: Dict[bytes, Any] = {}  # replies read while waiting for another
+
+    def send(self, op: str, kwargs: Dict[str, Any], fallback: Optional[Callable[[], Any]] = None) -> LaneCall:
+        self._next += 1
+        req_id = self._next.to_bytes(8, "little")
+        self._sock.send_multipart([self._secret, req_id, pickle.dumps((op, kwargs))])
+        return LaneCall(self, req_id, fallback)
+
+    def receive(self, req_id: bytes, deadline: float):
+        while req_id not in self._early:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"no answer on the call lane within the timeout (is the scheduler of "
+                    f"pid {self.pid} stuck?)")
+            if self._sock.poll(int(min(left, LIVENESS_CHECK_S) * 1000) + 1):
+                got_id, data = self._sock.recv_multipart()
+                self._early[got_id] = pickle.loads(data)
+            elif not _pid_alive(self.pid):
+                raise RankGone(f"the rank's process (pid {self.pid}) exited during the call")
+        return self._early.pop(req_id)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class Lanes:
+    """The client's lanes, one per rank on this node, and which ref each rank
+    holds (read once through Ray, so a lane call may name it)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.opened = False
+        self.links: Dict[int, RankLink] = {}
+        self._held: Dict[int, str] = {}  # rank -> hex of the ref it read last through Ray
+
+    def open(self, ranks, statuses: Sequence[Dict[str, Any]], call_timeout_s: float) -> None:
+        """Open a lane to every rank on this process's node (once). A rank
+        that cannot (an engine without lanes) is simply reached through Ray."""
+        if self.opened or not self.enabled:
+            return
+        self.opened = True
+        import ray
+
+        from sglang.srt.ray.rdt.transport import sglang_ipc
+
+        here = ray.get_runtime_context().get_node_id()
+        token = sglang_ipc.sender_token()
+        local = [r for r, st in zip(ranks, statuses)
+                 if (st.get("ipc_reach") or {}).get("node_id") == here]
+        calls = []
+        for r in local:
+            try:
+                calls.append((r, r.actor.open_weight_sync_lane.remote(token)))
+            except AttributeError:  # an engine without lanes: Ray calls only
+                logger.info("[RDT] %s has no call lane; pulls go through Ray", r.label())
+        for r, ref in calls:
+            try:
+                info = ray.get(ref, timeout=call_timeout_s)
+                if info.get("node_id") == here:
+                    self.links[r.index] = RankLink(info["address"], info["secret"], info["pid"])
+            except Exception as e:
+                logger.warning("[RDT] no call lane to %s (%s: %s); pulls go through Ray",
+                               r.label(), type(e).__name__, str(e).splitlines()[0][:200])
+
+    def held(self, rank: int, ref) -> None:
+        """``rank`` read ``ref`` through Ray: later pulls of it may use the lane."""
+        self._held[rank] = ref.hex()
+
+    def pull(self, rank, ref, names, timeout, extra: Dict[str, Any]):
+        """``rank.actor.pull_weights.remote([ref], names, timeout, **extra)``,
+        over the lane when the rank holds ``ref``: an ObjectRef or a
+        :class:`LaneCall`, both waited for by ``ranks.gather``."""
+        def through_ray():
+            return rank.actor.pull_weights.remote([ref], names, timeout, **extra)
+
+        link = self.links.get(rank.index)
+        if link is None or self._held.get(rank.index) != ref.hex():
+            return through_ray()
+        return link.send("pull_weights", {"ref_ids": [ref.hex()], "names": names,
+                                          "timeout": timeout, **extra}, fallback=through_ray)
+
+    def forget(self) -> None:
+        self._held.clear()
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
+        self._held.clear()
+        self.opened = False

@@ -1126,9 +1126,42 @@ class ClientTrainer(_Side):
                 "bytes": st["bytes"],
             })
             del ref
+        lane = self._lane_call_cost(rank, name, t, calls, transport)
         ray.get(rank.finalize_weight_update.remote("callcost"))
         ray.get(rank.take_pulls.remote())
-        return {"name": name, "bytes": t.numel() * t.element_size(), "noop": noop, "pulls": rows}
+        return {"name": name, "bytes": t.numel() * t.element_size(), "noop": noop, "pulls": rows,
+                "lane": lane}
+
+    def _lane_call_cost(self, rank, name, t, calls: int, transport: str):
+        """The same pull of one kept ref, sent over the rank's call lane
+        (``trainer/lane.py``) as WeightSyncClient does for zero-copy updates."""
+        from sglang.srt.ray.rdt.trainer.lane import RankLink
+        from sglang.srt.ray.rdt.transport import sglang_ipc
+
+        if transport_name(transport) != "SGLANG_IPC":
+            return None
+        info = ray.get(rank.open_weight_sync_lane.remote(sglang_ipc.sender_token()))
+        link = RankLink(info["address"], info["secret"], info["pid"])
+        ref = ray.put([t], _tensor_transport="SGLANG_IPC")
+        ray.get(rank.pull_weights.remote([ref], [name]))  # the rank holds the ref from here
+        kw = {"ref_ids": [ref.hex()], "names": [name], "timeout": None}
+        for _ in range(5):
+            link.send("pull_weights", kw).result(60)
+        ray.get(rank.take_pulls.remote())
+        rows = []
+        try:
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                st = link.send("pull_weights", kw).result(60)
+                t1 = time.perf_counter()
+                tm = st["timing"]
+                rows.append({"call": t1 - t0, "pull": tm["pull_end"] - tm["pull_start"],
+                             "to_loop": tm["started"] - tm["queued"],
+                             "back_from_loop": tm["resumed"] - tm["finished"],
+                             "copy": (st.get("ipc") or {}).get("copy_seconds", 0.0)})
+        finally:
+            link.close()
+        return rows
 
     def run(self, rank, transport: str, bucket_bytes: int, rounds: int, seed0: int):
         from sglang.srt.ray.rdt.trainer.client import WeightSyncClient
@@ -1357,6 +1390,11 @@ def call_cost_line(res: Dict[str, Any]) -> str:
     stages = sorted({k for r in rows for k in r["stages"]})
     parts.append("receiver stages p50 " + ", ".join(
         f"{k} {q([r['stages'].get(k, 0.0) for r in rows], .5) * 1e3:.3f}" for k in stages))
+    if res.get("lane"):
+        lane = res["lane"]
+        parts.append("LANE (the same ref again, over the call lane): " + ", ".join(
+            f"{k} p50 {q([r[k] for r in lane], .5) * 1e3:.3f} / p90 {q([r[k] for r in lane], .9) * 1e3:.3f}"
+            for k in ("call", "to_loop", "pull", "copy", "back_from_loop")))
     return "; ".join(parts)
 
 

@@ -233,11 +233,12 @@ def toy(ray_client):
 
     ray = ray_client
     # Started together (each imports sglang: tens of seconds on a small box).
-    ranks = [FakeRank.options(**actor_options()).remote(i) for i in range(3)]
+    ranks = [FakeRank.options(**actor_options()).remote(i) for i in range(4)]
     spy = SpySender.options(**actor_options()).remote("cpu")
     ray.get([r.register_weight_for_rdt.remote() for r in ranks] + [spy.state.remote()], timeout=300)
     yield SimpleNamespace(
-        ray=ray, ranks=ranks[:2], victim=ranks[2], spy=spy, names=["fake-0", "fake-1"]
+        ray=ray, ranks=ranks[:2], victim=ranks[2], lane_victim=ranks[3], spy=spy,
+        names=["fake-0", "fake-1"],
     )
     for a in ranks + [spy]:
         ray.kill(a)
@@ -511,6 +512,39 @@ def test_dead_rank_is_named_in_the_error(toy):
         client.update(new_weights(seed=14), version="never")
     assert err.value.rank == 1
     assert ray.get(toy.spy.in_flight.remote()) == [None, None]
+
+
+def test_a_rank_that_dies_during_a_lane_call_is_named_at_once(toy):
+    """A lane call cannot hang on a dead rank: the client sees the rank's
+    process exit within its liveness check, long before any timeout."""
+    import threading
+
+    ray = toy.ray
+    ray.get(toy.ranks[0].configure.remote(delay_s=0.0, fail=None))
+    victim = toy.lane_victim
+    weights = new_weights(seed=46)
+    client = WeightSyncClient([toy.ranks[0], victim], names=["fake-0", "lane-victim"],
+                              sender="local", export="direct")
+    client.update(weights, version="before")  # through Ray: both ranks now hold the ref
+    calls = ray.get(victim.get_weight_sync_status.remote())["lane"]["calls"]
+    ray.get(victim.configure.remote(delay_s=120.0))  # its next pull sleeps before reading
+
+    def kill_once_the_lane_call_arrived():
+        while ray.get(victim.get_weight_sync_status.remote())["lane"]["calls"] == calls:
+            time.sleep(0.02)
+        ray.kill(victim)
+
+    killer = threading.Thread(target=kill_once_the_lane_call_arrived)
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncRankError, match=r"^rank 1 \(lane-victim\) failed during pull of the "
+                       r"trainer's tensors \(zero-copy\) and finalize: RankGone: the rank's process "
+                       r"\(pid \d+\) exited during the call") as err:
+        client.update(weights, version="never")
+    killer.join()
+    assert time.monotonic() - t0 < 30  # the pull would have slept 120 s; the timeout is longer
+    assert [r for r, _ in err.value.failures] == [1]
+    client.lanes.close()
 
 
 def test_tensors_that_do_not_fit_are_rejected_before_any_byte_moves(toy):

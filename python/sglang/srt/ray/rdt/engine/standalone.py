@@ -84,11 +84,15 @@ class ServingLoop:
         return self
 
     def _run(self) -> None:
+        import select
+
+        wake = self.queue.wake_fd()  # readable when a task is queued
         try:
             while not self._stop.is_set():
                 self.queue.run_pending(None)
-                # An idle iteration of a real loop: poll for requests.
-                self._stop.wait(self.iteration_s)
+                # An idle iteration of a real loop: poll for requests; like
+                # sglang's idle wait, a queued task ends the wait at once.
+                select.select([wake], [], [], self.iteration_s)
         finally:
             self.queue.loop_stopped()
 

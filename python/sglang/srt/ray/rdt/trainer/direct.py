@@ -96,9 +96,11 @@ def tensors_blocker(payloads: Sequence[Mapping[str, torch.Tensor]], device: str)
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    # Flags and the ordinal, not a device object per tensor.
+    cuda, cpu, index = dev.type == "cuda", dev.type == "cpu", dev.index
     for payload in payloads:
         for name, t in payload.items():
-            if t.device != dev:
+            if not ((t.is_cuda and t.get_device() == index) if cuda else (cpu and t.is_cpu)):
                 return f"{name!r} is on {t.device}, the client's device is {dev}"
             if not t.is_contiguous():
                 return f"{name!r} is not contiguous"

@@ -39,7 +39,8 @@ def normalize(named: NamedTensors) -> Dict[str, torch.Tensor]:
             raise WeightSyncError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
         if name in out:
             raise WeightSyncError(f"{name!r} is given twice")
-        out[name] = t.detach()
+        # (a tensor that records no autograd history already is one: no new object per tensor)
+        out[name] = t.detach() if t.requires_grad or t.grad_fn is not None else t
     if not out:
         raise WeightSyncError("empty update: no tensors were given")
     return out

@@ -129,15 +129,19 @@ class ToyRank:
 
     def pull_with_targets_dropped(self, refs, names):
         """Simulate Ray losing the (weakly held) targets: it then fetches into
-        buffers of its own. The receiver must notice and fail loudly."""
+        buffers of its own. The receiver must notice and fail loudly. (Reads
+        go through ray.get here: SGLANG_RDT_DIRECT_FETCH=0; a direct read
+        has no weak references to lose.)"""
         import ray.experimental as rx
 
         real = rx.set_target_for_ref
         rx.set_target_for_ref = lambda ref, targets: None
+        os.environ["SGLANG_RDT_DIRECT_FETCH"] = "0"
         try:
             return self.receiver.pull(refs, names)
         finally:
             rx.set_target_for_ref = real
+            del os.environ["SGLANG_RDT_DIRECT_FETCH"]
 
     def finalize(self):
         """End the update as the rank core does (state, then the receiver)."""

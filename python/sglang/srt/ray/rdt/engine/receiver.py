@@ -37,6 +37,7 @@ from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S
 from sglang.srt.ray.rdt.engine.nixl_traps import NixlTrapWarnings
 from sglang.srt.ray.rdt.engine.refs import (
     fetch_same_node,
+    nixl_job,
     ref_tensor_specs,
     ref_writer,
     transport_used,
@@ -49,6 +50,7 @@ from sglang.srt.ray.rdt.engine.registration import (
 )
 from sglang.srt.ray.rdt.engine.update_state import RankUpdateState
 from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
+from sglang.srt.ray.rdt.transport import compat
 from sglang.srt.ray.rdt.transport.nixl_progress import configure_nixl_progress_thread
 from sglang.srt.ray.rdt.engine.plan import PlanCache, TensorSpec, check_in_place, group_names
 
@@ -315,21 +317,34 @@ class RdtWeightReceiver:
 
             t1 = time.perf_counter()
             try:
-                # Same-node refs are read straight into their targets; the
-                # rest through Ray's fetch (ray.get), whose references to the
-                # targets are weak: `targets` stays referenced here until it
-                # returns.
+                # Same-node refs are read straight into their targets, NIXL
+                # refs through this process's NIXL agent; the rest (and a
+                # NIXL read that could not start) through Ray's fetch
+                # (ray.get), whose references to the targets are weak:
+                # `targets` stays referenced here until it returns.
                 results: List[Any] = [None] * len(refs)
-                rest = []
+                rest, nixl = [], []
                 for i, (ref, ts) in enumerate(zip(refs, targets)):
                     got = fetch_same_node(ref, ts)
-                    if got is None:
-                        rest.append(i)
-                        set_target_for_ref(ref, ts)
-                    else:
+                    if got is not None:
                         results[i] = got
+                        continue
+                    job = nixl_job(ref, ts)
+                    if job is None:
+                        rest.append(i)
+                    else:
+                        nixl.append((i, job))
+                if nixl:
+                    read = compat.nixl_read([job for _, job in nixl], timeout_s)
+                    for (i, _), got in zip(nixl, read):
+                        if got is None:
+                            rest.append(i)
+                        else:
+                            results[i] = got
                 lap("direct")
                 if rest:
+                    for i in rest:
+                        set_target_for_ref(refs[i], targets[i])
                     fetched = ray.get([refs[i] for i in rest], timeout=timeout_s)
                     for i, got in zip(rest, fetched):
                         results[i] = got
@@ -378,7 +393,7 @@ class RdtWeightReceiver:
             "transport": ",".join(transports),
             "registered": self.registered,
             "plan_reused": reused,
-            # refs read straight over the same-node path (no ray.get)
+            # refs read without ray.get (same-node path, or NIXL directly)
             "direct_refs": len(refs) - len(rest),
             # Where the call's time went (seconds per stage), and when the
             # pull began and ended on this host's monotonic clock

@@ -76,9 +76,9 @@ def _specs(model, names):
 
 def _plan(recv, specs, names):
     """What a pull does before anything moves: plan, then registrations."""
-    targets, walked, reused = recv._plans.plan(specs, [names])
-    recv._registration.sync_for_pull(targets, walked, reused)
-    return targets[0], walked, reused
+    plan, walked, reused = recv._plans.plan(specs, [names])
+    recv._registration.sync_for_pull(plan.targets, walked, reused)
+    return plan.targets[0], walked, reused
 
 
 def test_a_layout_seen_before_reuses_its_plan_until_a_target_moves():

@@ -134,26 +134,34 @@ class RankWeightSync:
         """Land the refs' tensors (scheduler thread, quiesced). ``finalize``
         (``{"weight_version", "flush_cache"}``, both optional): this was the
         rank's last pull of the update; end it here as :meth:`finalize` does,
-        saving the caller one round trip. The result then carries the
-        finalize's under ``"finalized"``."""
+        in the same safe-point task — the caller saves a round trip, the rank
+        a hop to its loop. The result then carries the finalize's under
+        ``"finalized"``; a pull that fails ends nothing."""
+        end = None
         if finalize is not None:
             unknown = set(finalize) - {"weight_version", "flush_cache"}
             if unknown:  # checked before any byte moves
                 raise WeightSyncError(
                     f"finalize= takes weight_version and flush_cache, not {sorted(unknown)}")
-        out = self._pull(refs, names, timeout)
-        if self.lane is not None:
-            self.lane.keep(refs)
-        if finalize is not None:
-            out["finalized"] = self.finalize(finalize.get("weight_version"),
-                                             bool(finalize.get("flush_cache", True)))
-        return out
+            version = finalize.get("weight_version")
+            flush = bool(finalize.get("flush_cache", True))
+            end = lambda: self._finalize_here(version, flush)  # noqa: E731
+        return self._pull(refs, names, timeout, end)
 
-    def _pull(self, refs, names, timeout: Optional[float]) -> Dict[str, Any]:
+    def _pull(self, refs, names, timeout: Optional[float], end=None) -> Dict[str, Any]:
+        landed = False
+
         def run():
+            nonlocal landed
             why = self.quiesced()
             if why is None:
-                return self.receiver.pull(refs, names, timeout)
+                out = self.receiver.pull(refs, names, timeout)
+                landed = True
+                if self.lane is not None:
+                    self.lane.keep(refs)
+                if end is not None:
+                    out["finalized"] = end()
+                return out
             if why == NOT_PAUSED:
                 return _NOT_PAUSED_YET  # maybe the pause is still on its way
             raise WeightSyncError(NOT_QUIESCED.format(why=why))
@@ -172,6 +180,10 @@ class RankWeightSync:
                     raise WeightSyncError(NOT_QUIESCED.format(why=NOT_PAUSED))
                 time.sleep(0.01)
         except BaseException as e:
+            if landed:  # the pull landed and the update's end failed: counted as finalize() does
+                if not isinstance(e, WeightSyncError):
+                    self.state.fail("finalize")
+                raise
             kind = failure_kind(e)
             if kind is not None:
                 self.state.fail(kind)
@@ -193,38 +205,40 @@ class RankWeightSync:
         return self.on_scheduler(run)
 
     def finalize(self, weight_version: Optional[str] = None, flush_cache: bool = True) -> Dict[str, Any]:
-        def run():
-            in_session = self.port.session_open()
-            if not in_session:
-                why = self.quiesced()
-                if why is not None:  # refused before anything changes, the version too
-                    raise WeightSyncError("refusing to finalize while generation may run: " + why)
-            if weight_version is not None:
-                self.port.record_weight_version(str(weight_version))
-            self.flush_at_end = flush_cache
-            try:
-                problem = self.port.end_session() if in_session else self.end_paused_update()
-            finally:
-                self.flush_at_end = True
-            flushed = (self.state.last_update or {}).get("flushed_cache", False)
-            if flush_cache and not flushed:
-                flushed = self.port.flush_cache()
-            if problem:
-                raise WeightSyncError(f"the update ended inconsistent: {problem}")
-            return {
-                "success": True,
-                "flushed_cache": bool(flushed),
-                "weight_version": self.port.weight_version(),
-                "update": self.state.last_update,
-            }
-
         try:
-            return self.on_scheduler(run)
+            return self.on_scheduler(lambda: self._finalize_here(weight_version, flush_cache))
         except WeightSyncError:
             raise
         except BaseException:
             self.state.fail("finalize")
             raise
+
+    def _finalize_here(self, weight_version: Optional[str], flush_cache: bool) -> Dict[str, Any]:
+        """The update's end, on the scheduler thread: version, post-load
+        processing (or sglang's end_weight_update), flush."""
+        in_session = self.port.session_open()
+        if not in_session:
+            why = self.quiesced()
+            if why is not None:  # refused before anything changes, the version too
+                raise WeightSyncError("refusing to finalize while generation may run: " + why)
+        if weight_version is not None:
+            self.port.record_weight_version(str(weight_version))
+        self.flush_at_end = flush_cache
+        try:
+            problem = self.port.end_session() if in_session else self.end_paused_update()
+        finally:
+            self.flush_at_end = True
+        flushed = (self.state.last_update or {}).get("flushed_cache", False)
+        if flush_cache and not flushed:
+            flushed = self.port.flush_cache()
+        if problem:
+            raise WeightSyncError(f"the update ended inconsistent: {problem}")
+        return {
+            "success": True,
+            "flushed_cache": bool(flushed),
+            "weight_version": self.port.weight_version(),
+            "update": self.state.last_update,
+        }
 
     def abort(self, reason: str) -> Dict[str, Any]:
         def run():

@@ -187,6 +187,7 @@ class WeightSyncClient:
         self._direct_used = False  # ranks may hold mappings of the trainer's tensors
         self._direct_refs = direct.DirectRefs()  # the last zero-copy update's refs
         self._checked = LayoutCheck()  # per rank group: the last layout that passed
+        self._in_place = direct.InPlaceCheck()  # the last tensors read in place
         self._trainer_gpu: Optional[tuple] = None
         self.lanes = Lanes(enabled=lane)  # same-node call lanes to the ranks
 

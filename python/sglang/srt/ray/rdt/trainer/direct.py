@@ -43,6 +43,7 @@ from sglang.srt.ray.rdt.defaults import SGLANG_IPC
 from sglang.srt.ray.rdt.ranks import settle
 from sglang.srt.ray.rdt.trainer.lane import LaneCall, Lanes
 from sglang.srt.ray.rdt.trainer.discovery import RankInfo
+from sglang.srt.ray.rdt.trainer.payloads import signature, split_payloads
 from sglang.srt.ray.rdt.trainer.pipeline import PipelineRun
 from sglang.srt.ray.rdt.trainer.stats import BucketStats
 
@@ -119,8 +120,10 @@ class DirectRefs:
     def _key(tensors: Sequence[torch.Tensor]) -> tuple:
         return tuple((t.data_ptr(), t.shape, t.dtype, t.stride()) for t in tensors)
 
-    def ref_for(self, group: int, tensors: List[torch.Tensor], put: Callable[[List[torch.Tensor]], Any]):
-        key = self._key(tensors)
+    def ref_for(self, group: int, tensors: List[torch.Tensor], put: Callable[[List[torch.Tensor]], Any],
+                key: Optional[tuple] = None):
+        """``key``: the tensors' ``payloads.signature`` when the caller has it."""
+        key = self._key(tensors) if key is None else key
         kept = self._refs.get(group)
         if kept is not None and kept[0] == key:
             # The trainer's queued GPU work on these tensors must be done
@@ -138,15 +141,34 @@ class DirectRefs:
         self._refs.clear()
 
 
-def group_refs(payloads, groups, put, refs_cache: Optional[DirectRefs] = None):
+def group_refs(payloads, groups, put, refs_cache: Optional[DirectRefs] = None,
+               sigs: Optional[Sequence[tuple]] = None):
     """Each rank group's ref (kept ones reused) and its tensors' names."""
     refs, names = [], []
     for i, group in enumerate(groups):
         payload = payloads[group[0]]
         names.append(list(payload))
         tensors = list(payload.values())
-        refs.append(refs_cache.ref_for(i, tensors, put) if refs_cache is not None else put(tensors))
+        refs.append(put(tensors) if refs_cache is None else
+                    refs_cache.ref_for(i, tensors, put, sigs[i] if sigs is not None else signature(payload)))
     return refs, names
+
+
+class InPlaceCheck:
+    """:func:`tensors_blocker`, not repeated for tensors whose signatures
+    (``payloads.signature``: addresses, shapes, strides) passed it last time
+    — the same storage is on the same device and just as contiguous."""
+
+    def __init__(self):
+        self._passed: Optional[tuple] = None
+
+    def blocker(self, payloads, device: str, sigs: Sequence[tuple]) -> Optional[str]:
+        key = (str(device), tuple(sigs))
+        if key == self._passed:
+            return None
+        why = tensors_blocker(payloads, device)
+        self._passed = key if why is None else None
+        return why
 
 
 def run_direct(
@@ -163,13 +185,14 @@ def run_direct(
     wait_s: float,
     finalize: Optional[Dict[str, Any]] = None,
     lanes: Optional[Lanes] = None,
+    sigs: Optional[Sequence[tuple]] = None,
 ) -> PipelineRun:
     """One ref and one ``pull_weights`` per rank group; fills ``run``. With
     ``finalize`` each rank also ends the update in that call (its one pull is
     its last). ``lanes``: a rank on this node that read the ref before gets
     the call over its lane (:mod:`.lane`) instead of through Ray."""
     t_start = time.perf_counter()
-    refs, names = group_refs(payloads, groups, put, refs_cache)
+    refs, names = group_refs(payloads, groups, put, refs_cache, sigs)
     put_seconds = time.perf_counter() - t_start
     t0 = time.perf_counter()
     run.session_id = open_session()
@@ -226,8 +249,6 @@ def prepare(client, named_tensors) -> Optional[str]:
     """Put ``named_tensors`` as the next zero-copy update will (the ref is
     kept for it) and have every rank do all of that pull but the copy.
     Returns why nothing was prepared, or None."""
-    from sglang.srt.ray.rdt.trainer.payloads import split_payloads
-
     payloads, groups = split_payloads(named_tensors, len(client.ranks))
     client._checked.items_per_group(payloads, groups, client.parameter_layouts(),
                                     [r.label() for r in client.ranks], False)

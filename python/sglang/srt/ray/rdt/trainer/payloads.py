@@ -7,7 +7,7 @@ they share buckets).
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -69,6 +69,14 @@ def split_payloads(named_tensors, n_ranks: int) -> Tuple[List[Dict[str, torch.Te
     return [normalized[id(p)] for p in per_rank], groups
 
 
+def signature(payload: Mapping[str, torch.Tensor]) -> tuple:
+    """What an update needs to know whether a rank group's tensors are the
+    ones it saw last time: names, addresses, shapes, dtypes, strides (one
+    pass; the layout check, the in-place checks and the kept ref of a
+    zero-copy update all compare it)."""
+    return tuple((n, t.data_ptr(), t.shape, t.dtype, t.stride()) for n, t in payload.items())
+
+
 class LayoutCheck:
     """Checks each rank group's tensors against its ranks' layouts; an update
     with the same names, shapes and dtypes as the last one that passed the
@@ -77,11 +85,12 @@ class LayoutCheck:
     def __init__(self):
         self._passed: Dict[int, tuple] = {}  # group index -> (signature, layouts, items)
 
-    def items_per_group(self, payloads, groups, layouts, labels, strict: bool) -> List[List[TensorItem]]:
+    def items_per_group(self, payloads, groups, layouts, labels, strict: bool,
+                        sigs: Optional[Sequence[tuple]] = None) -> List[List[TensorItem]]:
         out = []
         for g, group in enumerate(groups):
             payload = payloads[group[0]]
-            sig = (tuple(group), strict, tuple((n, t.shape, t.dtype) for n, t in payload.items()))
+            sig = (tuple(group), strict, sigs[g] if sigs is not None else signature(payload))
             cached = self._passed.get(g)
             if cached is not None and cached[0] == sig and cached[1] is layouts:
                 out.append(cached[2])

@@ -17,7 +17,7 @@ from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S, PULL_WAIT_MARGIN_S
 from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
 from sglang.srt.ray.rdt.trainer import direct
 from sglang.srt.ray.rdt.trainer.buckets import plan_steps
-from sglang.srt.ray.rdt.trainer.payloads import split_payloads
+from sglang.srt.ray.rdt.trainer.payloads import signature, split_payloads
 from sglang.srt.ray.rdt.trainer.pipeline import PipelineRun
 from sglang.srt.ray.rdt.trainer.stats import UpdateStats
 
@@ -29,12 +29,14 @@ def run_update(client, named_tensors, version: Optional[str], bucket_bytes: Opti
     t_call = time.perf_counter()
     version = None if version is None else str(version)
     payloads, groups = split_payloads(named_tensors, len(client.ranks))
+    sigs = [signature(payloads[g[0]]) for g in groups]  # one pass over the tensors
     items_per_group = client._checked.items_per_group(
-        payloads, groups, client.parameter_layouts(), [r.label() for r in client.ranks], strict
+        payloads, groups, client.parameter_layouts(), [r.label() for r in client.ranks], strict,
+        sigs,
     )
     wait_s = (client.pull_timeout_s or PULL_TIMEOUT_S) + PULL_WAIT_MARGIN_S
-    blocker = direct.client_blocker(client) or direct.tensors_blocker(
-        [payloads[g[0]] for g in groups], client.device)
+    blocker = direct.client_blocker(client) or client._in_place.blocker(
+        [payloads[g[0]] for g in groups], client.device, sigs)
     if blocker is not None and client.export == "direct":
         raise WeightSyncError(f"export='direct': the ranks cannot read this trainer's "
                               f"tensors in place ({blocker}); nothing was sent")
@@ -58,7 +60,7 @@ def run_update(client, named_tensors, version: Optional[str], bucket_bytes: Opti
                 open_session=client.session.begin, pull_timeout=client.pull_timeout_s,
                 wait_s=wait_s,
                 finalize={"weight_version": version, "flush_cache": flush_cache} if fold else None,
-                lanes=client.lanes,
+                lanes=client.lanes, sigs=sigs,
             )
         else:
             client.pipeline.run(

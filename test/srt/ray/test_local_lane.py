@@ -1,0 +1,166 @@
+"""The same-node call lane (engine/local_lane.py, trainer/lane.py), without Ray.
+
+A rank's lane runs whatever pull it was given for a request that carries its
+secret and names refs it holds; these tests give it a recording pull and
+talk to it through the trainer side's own RankLink.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import time
+
+import pytest
+import zmq
+
+from sglang.srt.ray.rdt.engine.local_lane import NOT_HELD, RankLane
+from sglang.srt.ray.rdt.errors import WeightSyncError, WeightsInconsistentError
+from sglang.srt.ray.rdt.trainer.lane import LaneCall, RankGone, RankLink
+
+
+class FakeRef:
+    def __init__(self, hex_id: str):
+        self._hex = hex_id
+
+    def hex(self) -> str:
+        return self._hex
+
+
+@pytest.fixture
+def lane():
+    calls = []
+
+    def pull(refs, names, timeout, finalize):
+        calls.append((refs, names, timeout, finalize))
+        if names == ["boom"]:
+            raise WeightsInconsistentError("the transfer broke half-way")
+        return {"tensors": len(names), "refs": [r.hex() for r in refs]}
+
+    lane = RankLane(pull)
+    info = lane.open("trainer-a")
+    lane.calls_seen = calls
+    lane.info = info
+    yield lane
+    lane.close()
+
+
+def test_a_lane_call_runs_the_ranks_pull_on_a_held_ref_and_returns_its_result(lane):
+    ref = FakeRef("ab" * 20)
+    lane._held["trainer-a"] = {ref.hex(): ref}  # what keep() records after a read through Ray
+    link = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
+    try:
+        out = link.send("pull_weights", {"ref_ids": [ref.hex()], "names": ["w", "b"], "timeout": 5.0,
+                                         "finalize": {"weight_version": "7"}}).result(10)
+        assert out == {"tensors": 2, "refs": [ref.hex()]}
+        (refs, names, timeout, finalize), = lane.calls_seen
+        assert refs == [ref] and names == ["w", "b"] and timeout == 5.0
+        assert finalize == {"weight_version": "7"}
+        # The rank's own exception comes back as itself.
+        with pytest.raises(WeightsInconsistentError, match="the transfer broke half-way"):
+            link.send("pull_weights", {"ref_ids": [ref.hex()], "names": ["boom"]}).result(10)
+        assert lane.status() == {"open": True, "senders": 1, "held_refs": 1, "calls": 2}
+        assert lane.release("trainer-a") == 1 and lane.status()["held_refs"] == 0
+    finally:
+        link.close()
+
+
+def test_a_ref_the_rank_does_not_hold_is_refused_before_anything_runs(lane):
+    link = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
+    try:
+        call = link.send("pull_weights", {"ref_ids": ["cd" * 20], "names": ["w"]})
+        with pytest.raises(WeightSyncError, match=rf"refused the call \({NOT_HELD}\): ref cdcdcdcdcdcdcdcd "
+                           "is not held by this rank"):
+            call.result(10)
+        # With a fall-back, the same refusal sends the call through it instead.
+        fell_back = []
+        call = link.send("pull_weights", {"ref_ids": ["cd" * 20], "names": ["w"]},
+                         fallback=lambda: fell_back.append(1) or _Ready({"through": "ray"}))
+        assert isinstance(call, LaneCall)
+        assert _result_via(call, 10) == {"through": "ray"} and fell_back == [1]
+    finally:
+        link.close()
+    assert lane.calls_seen == []
+
+
+def test_a_wrong_secret_is_denied_without_unpickling_the_request(lane, tmp_path):
+    marker = tmp_path / "unpickled"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(lane.info["address"])
+    try:
+        sock.send_multipart([b"x" * 16, b"\x01", pickle.dumps(("pull_weights", Evil()))])
+        assert sock.poll(10_000)
+        req_id, data = sock.recv_multipart()
+        assert req_id == b"\x01"
+        assert pickle.loads(data) == ("error", "denied", "wrong lane secret")
+    finally:
+        sock.close(linger=0)
+    assert not marker.exists() and lane.calls_seen == []
+    assert os.stat(os.path.dirname(lane.info["address"][len("ipc://"):])).st_mode & 0o077 == 0
+
+
+def test_a_rank_whose_process_is_gone_fails_the_call_at_once(tmp_path):
+    # A socket that never answers, and a "rank" pid that has exited.
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path}/silent"
+    silent.bind(address)
+    proc = subprocess.Popen(["sleep", "60"])
+    link = RankLink(address, b"s" * 16, proc.pid)
+    try:
+        call = link.send("pull_weights", {"ref_ids": [], "names": []})
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        with pytest.raises(RankGone, match=rf"the rank's process \(pid {proc.pid}\) exited during the call"):
+            call.result(120)
+        assert time.monotonic() - t0 < 5
+        # A live but silent rank: bounded by the caller's timeout.
+        alive = subprocess.Popen(["sleep", "60"])
+        try:
+            slow = RankLink(address, b"s" * 16, alive.pid)
+            with pytest.raises(TimeoutError, match="no answer on the call lane within the timeout"):
+                slow.send("ping", {}).result(0.5)
+            slow.close()
+        finally:
+            alive.kill()
+            alive.wait()
+    finally:
+        link.close()
+        silent.close(linger=0)
+
+
+def test_close_stops_serving_and_removes_the_socket(lane):
+    path = lane.info["address"][len("ipc://"):]
+    assert os.path.exists(path)
+    lane.close()
+    assert not os.path.exists(os.path.dirname(path))
+    with pytest.raises(RuntimeError, match="the rank's lane is closed"):
+        lane.open("trainer-b")
+
+
+# -- helpers ------------------------------------------------------------------ #
+class _Ready:
+    """Stands in for the fall-back's ObjectRef."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _result_via(call, timeout_s):
+    import ray
+
+    real_get = ray.get
+    ray.get = lambda ref, timeout=None: ref.value if isinstance(ref, _Ready) else real_get(ref, timeout=timeout)
+    try:
+        return call.result(timeout_s)
+    finally:
+        ray.get = real_get

@@ -158,6 +158,29 @@ def test_sender_refuses_to_overwrite_a_bucket_until_released():
     assert sender.in_flight() == ["update-1/bucket-2", "update-1/bucket-1"]
 
 
+def test_sender_hands_out_the_ref_of_a_layout_again_and_puts_only_new_layouts():
+    """A ref is read when a rank pulls it, so a later fill of the same layout
+    into the same slot returns the kept ref (with the new bytes in place)."""
+    sender, log = fake_sender()
+    sender.prepare(4096)
+    a, b = torch.arange(8, dtype=torch.float32), torch.full((8,), 7.0)
+    assert sender.fill(0, "u1/b0", [region(("a", a))]) == [["ref1"]]
+    sender.release(0, "u1/b0")
+    assert sender.fill(0, "u2/b0", [region(("a", b))]) == [["ref1"]]  # same layout: no put
+    (view,) = log.puts[0]
+    assert torch.equal(view, b) and len(log.puts) == 1
+    sender.release(0, "u2/b0")
+    # Another slot, or another layout, is another ref.
+    assert sender.fill(1, "u2/b1", [region(("a", b))]) == [["ref2"]]
+    assert sender.fill(0, "u3/b0", [region(("a", b[:4]))]) == [["ref3"]]
+    assert sender.stats["puts"] == 3 and sender.stats["fills"] == 4
+    sender.release(0, "u3/b0")
+    sender.release(1, "u2/b1")
+    # Growing the slots frees the old memory: its refs are not handed out again.
+    sender.prepare(8192)
+    assert sender.fill(0, "u4/b0", [region(("a", a))]) == [["ref4"]]
+
+
 def test_sender_keeps_its_buffers_and_reregisters_only_to_grow():
     sender, log = fake_sender()
     sender.prepare(4096)

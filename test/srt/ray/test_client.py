@@ -345,6 +345,35 @@ def test_local_sender_keeps_buckets_in_the_callers_process(toy, transport):
         WeightSyncClient(toy.ranks, sender="remote")
 
 
+def test_register_with_the_tensors_primes_the_buckets_so_no_update_puts(toy):
+    """Bucket updates: register(tensors) puts the buckets the updates will
+    fill and has every rank prepare its pulls (nothing written); every update
+    then reuses those refs — the first pulls already find their plans."""
+    ray = toy.ray
+    ray.get([r.configure.remote(delay_s=0.0, fail=None) for r in toy.ranks])
+    before = [ray.get(r.state.remote()) for r in toy.ranks]
+    n_pulls = [len(ray.get(r.log.remote())["pulls"]) for r in toy.ranks]
+    weights = new_weights(seed=47)
+    with WeightSyncClient(toy.ranks, names=toy.names, sender="local", bucket_bytes=5000) as client:
+        client.register(weights)
+        sender = client.sender.sender
+        primed = sender.state()["puts"]
+        assert primed >= 2 and sender.state()["fills"] == 0 and sender.in_flight() == [None, None]
+        for r, state in zip(toy.ranks, before):  # nothing was written
+            now = ray.get(r.state.remote())
+            assert all(torch.equal(now[n], state[n]) for n in state)
+        first = client.update(weights, version="primed-1")
+        for t in weights.values():
+            t.add_(1.0)
+        client.update(weights, version="primed-2")
+        assert sender.state()["puts"] == primed  # no update put anything
+        assert sender.state()["fills"] == 2 * len(first.buckets)
+    assert_ranks_hold(toy, weights)
+    for r, k in zip(toy.ranks, n_pulls):
+        pulls = ray.get(r.log.remote())["pulls"][k:]
+        assert len(pulls) == 2 * len(first.buckets) and all(p["plan_reused"] for p in pulls)
+
+
 def test_direct_export_reads_host_tensors_in_place_and_each_rank_ends_the_update_in_its_pull(toy):
     """export="direct" on CPU: the ranks read the driver's own tensors with
     process_vm_readv (no bucket), one pull_weights per rank that also ends the

@@ -52,6 +52,7 @@ from sglang.srt.ray.rdt.trainer.payloads import (
     LayoutCheck,
     NamedTensors,
     normalize,
+    split_payloads,
     tensor_item,
 )
 from sglang.srt.ray.rdt.trainer.discovery import RankInfo, ensure_ray, find_ranks
@@ -261,11 +262,13 @@ class WeightSyncClient:
         where pulls register per call instead).
 
         ``named_tensors``: the tensors later updates will send (as for
-        :meth:`update`). When the ranks read them in place, they are checked
-        and put now and every rank does all of a pull but the copy
+        :meth:`update`), checked now. When the ranks read them in place, they
+        are put now and every rank does all of a pull but the copy
         (``prepare_pull_weights``: plan, CUDA IPC mappings of the trainer's
-        memory), writing nothing — the first update then costs what later
-        ones do. Ignored for bucket updates.
+        memory), writing nothing. With buckets, the buckets their updates will
+        fill are put now (the sender keeps those refs) and every rank
+        prepares its pulls of them. Either way the first update then costs
+        what later ones do.
         """
         out = self._call_all("register_weight_for_rdt")
         layouts = self.parameter_layouts(refresh=True)
@@ -274,11 +277,19 @@ class WeightSyncClient:
             if named_tensors is not None:
                 direct.prepare(self, named_tensors)
             return out  # updates read the trainer's tensors: no buckets to allocate
-        items = [tensor_item(n, spec["shape"], spec["dtype"]) for n, spec in layouts[0].items()]
-        if items:
-            _, buffer_bytes = plan_steps([items], self.bucket_bytes)
+        if named_tensors is not None:
+            payloads, groups = split_payloads(named_tensors, len(self.ranks))
+            items_per_group = self._checked.items_per_group(
+                payloads, groups, layouts, [r.label() for r in self.ranks], False)
+        else:
+            items_per_group = [[tensor_item(n, spec["shape"], spec["dtype"])
+                                for n, spec in layouts[0].items()]]
+        if any(items_per_group):
+            steps, buffer_bytes = plan_steps(items_per_group, self.bucket_bytes)
             self.pipeline.reclaim_stuck()
             self.sender.prepare(buffer_bytes, self.ranks)
+            if named_tensors is not None:
+                self.pipeline.prime(steps, groups, self.call_timeout_s)
         return out
 
     def parallelism_configs(self) -> List[Dict[str, Any]]:

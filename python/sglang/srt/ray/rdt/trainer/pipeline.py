@@ -100,6 +100,25 @@ class BucketPipeline:
         run.buckets.sort(key=lambda b: b.index)
         return run
 
+    def prime(self, steps: List[Step], groups, call_timeout_s: float) -> int:
+        """Put every step's buckets as its fill will (the sender keeps the
+        refs; nothing is copied) and have each rank prepare its pulls of them
+        (``prepare_pull_weights``: checks, plan, same-node mappings; nothing
+        written). The first update then costs what later ones do."""
+        calls = []
+        for step in steps:
+            slot = step.index % NUM_SLOTS
+            layout = [(region.offset,
+                       [(s.name, s.offset, s.nbytes, s.shape, s.dtype) for s in region.bucket.slices])
+                      for region in step.regions]
+            (refs,) = self.sender_call("prime", slot, layout)
+            for region, ref in zip(step.regions, refs):
+                for r in groups[region.group]:
+                    calls.append((r, self.ranks[r].actor.prepare_pull_weights.remote(
+                        [ref], region.bucket.names)))
+        self.gather(calls, "prepare_pull_weights of the buckets", call_timeout_s)
+        return len(calls)
+
     def _fill(self, run: PipelineRun, step: Step, payloads, groups, tag: str) -> Flight:
         slot = step.index % NUM_SLOTS
         if slot in run.flights:  # never: the loop lands a slot before refilling it

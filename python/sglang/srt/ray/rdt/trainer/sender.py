@@ -221,39 +221,63 @@ class BucketSender:
         for offset, slices, tensors in regions:
             if len(slices) != len(tensors):
                 raise BucketSenderError(f"{len(slices)} slices for {len(tensors)} tensors")
-            key = (slot, offset, tuple((rel, size, tuple(shape), str(dtype))
-                                       for _, rel, size, shape, dtype in slices))
-            views = []
-            for (name, rel, size, shape, dtype), t in zip(slices, tensors):
-                start = offset + rel
-                if start + size > buf.numel():
-                    raise BucketSenderError(
-                        f"{name!r} does not fit the bucket buffer "
-                        f"({start + size} > {buf.numel()} bytes); prepare() it larger"
-                    )
-                view = buf[start : start + size].view(_torch_dtype(dtype)).view(tuple(shape))
+            views = self._views(buf, offset, slices)
+            for (name, _, size, shape, dtype), view, t in zip(slices, views, tensors):
                 if tuple(t.shape) != tuple(shape) or t.dtype != view.dtype:
                     raise BucketSenderError(
                         f"{name!r}: got shape={list(t.shape)} dtype={t.dtype}, "
                         f"planned shape={list(shape)} dtype={dtype}"
                     )
                 view.copy_(t)
-                views.append(view)
                 nbytes += size
-            ref = self._refs.get(key)
-            if ref is None:
-                if len(self._refs) >= MAX_KEPT_REFS:
-                    self._refs.clear()
-                ref = self._refs[key] = self._do_put(views)  # a put waits for the copies
-                self.stats["puts"] += 1
-            else:
-                reused = True
+            ref, put = self._ref(slot, offset, slices, views)
+            reused = reused or not put
             refs.append(ref)
         if reused and buf.is_cuda:
             torch.cuda.synchronize(buf.device)  # ranks read as soon as they are asked
         self.stats["fills"] += 1
         self.stats["bytes"] += nbytes
         return [refs]
+
+    def prime(self, slot: int, regions: Sequence[Tuple[int, Sequence[SliceTuple]]]) -> List[List[Any]]:
+        """The refs later fills of these bucket layouts into ``slot`` will
+        return, put now (``regions``: ``(offset, slices)`` per group; no
+        bytes are copied, the slot stays free). A trainer primes its first
+        update's buckets at connect, so that update does not put either and
+        ranks can prepare their pulls of them (``prepare_pull_weights``)."""
+        self._check_slot(slot)
+        buf = self._slots[slot]
+        if buf is None:
+            raise BucketSenderError("bucket sender not prepared: call prepare() first")
+        return [[self._ref(slot, offset, slices, self._views(buf, offset, slices))[0]
+                 for offset, slices in regions]]
+
+    @staticmethod
+    def _views(buf: torch.Tensor, offset: int, slices: Sequence[SliceTuple]) -> List[torch.Tensor]:
+        views = []
+        for name, rel, size, shape, dtype in slices:
+            start = offset + rel
+            if start + size > buf.numel():
+                raise BucketSenderError(
+                    f"{name!r} does not fit the bucket buffer "
+                    f"({start + size} > {buf.numel()} bytes); prepare() it larger"
+                )
+            views.append(buf[start : start + size].view(_torch_dtype(dtype)).view(tuple(shape)))
+        return views
+
+    def _ref(self, slot: int, offset: int, slices: Sequence[SliceTuple], views) -> Tuple[Any, bool]:
+        """The kept ref of this layout in ``slot`` (and False), or a new one put
+        now (and True)."""
+        key = (slot, offset, tuple((rel, size, tuple(shape), str(dtype))
+                                   for _, rel, size, shape, dtype in slices))
+        ref = self._refs.get(key)
+        if ref is not None:
+            return ref, False
+        if len(self._refs) >= MAX_KEPT_REFS:
+            self._refs.clear()
+        ref = self._refs[key] = self._do_put(views)  # a put waits for the copies
+        self.stats["puts"] += 1
+        return ref, True
 
     def release(self, slot: int, token: str) -> None:
         """Mark ``slot`` free again; ``token`` must be the one it was filled with."""

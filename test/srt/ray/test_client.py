@@ -365,13 +365,26 @@ def test_register_with_the_tensors_primes_the_buckets_so_no_update_puts(toy):
         first = client.update(weights, version="primed-1")
         for t in weights.values():
             t.add_(1.0)
-        client.update(weights, version="primed-2")
+        second = client.update(weights, version="primed-2")
         assert sender.state()["puts"] == primed  # no update put anything
         assert sender.state()["fills"] == 2 * len(first.buckets)
-    assert_ranks_hold(toy, weights)
+        # The ranks hold the primed refs: every pull went over their call lanes.
+        assert first.lane_calls == second.lane_calls == 2 * len(first.buckets)
+        assert_ranks_hold(toy, weights)
+        # An update of other layouts puts new refs (through Ray); at its end
+        # the ranks let go of the refs it did not read.
+        some = dict(reversed(list(weights.items())[:2]))  # bias first: another layout
+        third = client.update(some, version="primed-3")
+        assert third.lane_calls == 0
+        for r in toy.ranks:
+            lane = ray.get(r.get_weight_sync_status.remote())["lane"]
+            assert lane["held_refs"] == len(third.buckets)
     for r, k in zip(toy.ranks, n_pulls):
         pulls = ray.get(r.log.remote())["pulls"][k:]
-        assert len(pulls) == 2 * len(first.buckets) and all(p["plan_reused"] for p in pulls)
+        assert len(pulls) == 2 * len(first.buckets) + len(third.buckets)
+        assert all(p["plan_reused"] for p in pulls[: 2 * len(first.buckets)])
+        assert ["lane" if p["thread"] == "rdt-lane" else "ray" for p in pulls] == (
+            ["lane"] * (2 * len(first.buckets)) + ["ray"] * len(third.buckets))
 
 
 def test_direct_export_reads_host_tensors_in_place_and_each_rank_ends_the_update_in_its_pull(toy):

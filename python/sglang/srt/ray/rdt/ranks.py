@@ -70,6 +70,15 @@ def settle(calls: Sequence[Tuple[int, Any]], timeout_s: float) -> None:
             call.wait(max(0.0, deadline - time.monotonic()))
 
 
+def unfinished(calls: Sequence[Tuple[int, Any]]) -> List[Any]:
+    """The calls of ``[(rank, call)]`` that have not finished yet (no waiting)."""
+    import ray
+
+    refs = [ref for _, ref in calls if isinstance(ref, ray.ObjectRef)]
+    out = list(ray.wait(refs, num_returns=len(refs), timeout=0)[1]) if refs else []
+    return out + [c for _, c in calls if not isinstance(c, ray.ObjectRef) and not c.finished()]
+
+
 def call_ranks(
     actors: Sequence[Any],
     method: str,

@@ -15,11 +15,13 @@ Refs cannot travel over it (Ray attaches an RDT ref's metadata when it hands
 the ref to an actor method), so a lane call names refs the rank already
 holds: after a trainer opened a lane (:meth:`RankLane.open`, an actor call
 that returns the address and a secret), the rank keeps the refs of that
-trainer's same-node reads (``pull_weights`` or ``prepare_pull_weights``
-through Ray) — the last call's set per trainer process, replaced by its next
-one, dropped by ``release_weight_sync_mappings(sender)`` and when the rank
-shuts down. A kept ref holds the trainer's tensors alive, exactly as the
-trainer's own kept ref does (``trainer/direct.py``).
+trainer's same-node reads (``pull_weights``, over Ray or the lane, and
+``prepare_pull_weights``) — those read since the end of the previous update;
+at each update's end it lets go of every ref the update did not read, and
+``release_weight_sync_mappings(sender)`` and the rank's shutdown drop them
+all. A kept ref holds the trainer's memory alive (its own kept ref does too,
+``trainer/direct.py``; bucket refs are views of buffers it keeps anyway), so
+memory the trainer stopped sending is held at most one update longer.
 
 Who may call: the socket lives in a fresh 0700 directory (same user only),
 and every request carries the lane's 16-byte secret, checked before the
@@ -45,6 +47,9 @@ logger = logging.getLogger(__name__)
 OPS = ("pull_weights", "ping")
 # How often the serving thread looks whether the lane was closed.
 POLL_MS = 200
+# Refs a rank holds per trainer process at most (a model's buckets, or one
+# zero-copy ref per update).
+MAX_HELD_PER_SENDER = 256
 # Error kind of a call that names a ref this rank does not hold: the caller
 # sends the same pull through the actor method instead.
 NOT_HELD = "not_held"
@@ -63,6 +68,7 @@ class RankLane:
         self._lock = threading.Lock()
         self._senders: set = set()  # trainer processes that opened the lane
         self._held: Dict[str, Dict[str, Any]] = {}  # sender -> {ref hex: ref}
+        self._read: Dict[str, set] = {}  # sender -> hex of the refs read since the last update end
         self._secret = secrets.token_bytes(16)
         self._dir: Optional[str] = None
         self._address: Optional[str] = None
@@ -99,20 +105,31 @@ class RankLane:
         self._thread.start()
 
     def keep(self, refs: Sequence[Any]) -> None:
-        """After a same-node read through Ray (pull or prepare): keep the refs
-        of a sender that opened a lane, replacing its previous set."""
+        """After a read (pull or prepare): keep the same-node refs of a sender
+        that opened a lane, until the end of an update that did not read them."""
         if not self._senders:
             return
         from sglang.srt.ray.rdt.engine.refs import same_node_sender
 
-        by_sender: Dict[str, Dict[str, Any]] = {}
-        for ref in refs:
-            sender = same_node_sender(ref)
-            if sender is not None and sender in self._senders:
-                by_sender.setdefault(sender, {})[ref.hex()] = ref
-        if by_sender:
-            with self._lock:
-                self._held.update(by_sender)
+        kept = [(sender, ref) for ref in refs
+                if (sender := same_node_sender(ref)) is not None and sender in self._senders]
+        if not kept:
+            return
+        with self._lock:
+            for sender, ref in kept:
+                held = self._held.setdefault(sender, {})
+                if len(held) >= MAX_HELD_PER_SENDER and ref.hex() not in held:
+                    held.pop(next(iter(held)))  # the oldest
+                held[ref.hex()] = ref
+                self._read.setdefault(sender, set()).add(ref.hex())
+
+    def end_of_update(self) -> None:
+        """An update ended: let go of the refs it did not read."""
+        with self._lock:
+            for sender, held in self._held.items():
+                read = self._read.get(sender, set())
+                self._held[sender] = {h: r for h, r in held.items() if h in read}
+            self._read.clear()
 
     def release(self, sender: Optional[str] = None) -> int:
         """Drop the refs held for ``sender`` (every sender: None)."""
@@ -120,8 +137,10 @@ class RankLane:
             if sender is None:
                 n = sum(len(h) for h in self._held.values())
                 self._held.clear()
+                self._read.clear()
             else:
                 n = len(self._held.pop(str(sender), {}))
+                self._read.pop(str(sender), None)
         return n
 
     def resolve(self, ref_ids: Sequence[str]) -> List[Any]:

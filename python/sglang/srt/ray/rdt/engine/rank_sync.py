@@ -245,7 +245,7 @@ class RankWeightSync:
             status = self.state.abort(reason)  # first: the session's end is then a no-op
             if self.port.session_open():
                 self.port.end_session()
-            self.receiver.end_of_update(resume_gc=not self.port.paused())
+            self._update_ended()
             return status
 
         return self.on_scheduler(run)
@@ -268,10 +268,15 @@ class RankWeightSync:
                 logger.warning("[RDT] the prefix cache could not be flushed after the update; "
                                "call /flush_cache before generation continues")
         summary = self.state.end(**extra)
+        self._update_ended()
+        return None if summary["consistent"] else summary["inconsistent_reason"]
+
+    def _update_ended(self) -> None:
         # Paused for the next update (miles' way): collection stays off until
         # generation continues (gc_pause).
         self.receiver.end_of_update(resume_gc=not self.port.paused())
-        return None if summary["consistent"] else summary["inconsistent_reason"]
+        if self.lane is not None:
+            self.lane.end_of_update()
 
     # -- the scheduler's weight events (managers/weight_listeners.py) --------- #
     def on_weights_released(self) -> None:

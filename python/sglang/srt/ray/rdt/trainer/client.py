@@ -124,10 +124,11 @@ class WeightSyncClient:
             ``"buckets"``: always buckets. Reading in place against a paused
             engine (no ``url``/``engine``), each rank ends the update in its
             one pull call.
-        lane: send a zero-copy update's pulls to ranks on this node over
-            their call lane (a Unix socket; ``engine/local_lane.py``) once
-            they have read the kept ref through Ray — ~60 us a call instead
-            of a Ray round trip (~2.5 ms). ``False``: Ray calls only.
+        lane: send pulls of refs a rank on this node has read before (a
+            zero-copy update's kept ref; with ``sender="local"``, the kept
+            bucket refs) over the rank's call lane (a Unix socket;
+            ``engine/local_lane.py``) — ~60 us a round trip instead of a Ray
+            actor call (~2.5 ms). ``False``: Ray calls only.
     """
 
     def __init__(
@@ -182,7 +183,8 @@ class WeightSyncClient:
                                     self.call_timeout_s)
         self.sender = SenderLink(device, sender, sender_options, self.call_timeout_s,
                                  self.put_transport)
-        self.pipeline = BucketPipeline(self.ranks, self.sender.call, self._gather)
+        self.lanes = Lanes(enabled=lane)  # same-node call lanes to the ranks
+        self.pipeline = BucketPipeline(self.ranks, self.sender.call, self._gather, self.lanes)
         self.export = export
         self._statuses: Optional[List[Dict[str, Any]]] = None
         self._direct_used = False  # ranks may hold mappings of the trainer's tensors
@@ -190,7 +192,6 @@ class WeightSyncClient:
         self._checked = LayoutCheck()  # per rank group: the last layout that passed
         self._in_place = direct.InPlaceCheck()  # the last tensors read in place
         self._trainer_gpu: Optional[tuple] = None
-        self.lanes = Lanes(enabled=lane)  # same-node call lanes to the ranks
 
     # ------------------------------------------------------------------ #
     # Construction
@@ -289,6 +290,8 @@ class WeightSyncClient:
             self.pipeline.reclaim_stuck()
             self.sender.prepare(buffer_bytes, self.ranks)
             if named_tensors is not None:
+                if self.sender.local:
+                    direct.open_lanes(self)  # first: the ranks then keep the primed refs
                 self.pipeline.prime(steps, groups, self.call_timeout_s)
         return out
 

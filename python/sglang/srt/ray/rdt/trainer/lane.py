@@ -1,12 +1,15 @@
 """The trainer's side of the ranks' same-node call lanes.
 
-A zero-copy update sends each rank one ``pull_weights`` of a ref the rank
-has read before (the trainer's tensors did not move, so the kept ref serves
-again). To a rank on this node that call goes over the rank's lane
+Every update after the first sends the ranks refs they have read before: a
+zero-copy update its kept ref (the trainer's tensors did not move), a bucket
+update the kept refs of its buckets (``BucketSender``). To a rank on this node
+such a ``pull_weights`` goes over the rank's lane
 (:mod:`sglang.srt.ray.rdt.engine.local_lane`: a Unix socket, ~60 us a round
 trip) instead of a Ray actor call (~2.5 ms on an H200 host): the rank runs the
 same pull. Everything else — the first pull of a new ref, every other call,
-ranks on other nodes — stays a Ray actor call.
+ranks on other nodes — stays a Ray actor call. Which refs a rank holds is
+mirrored here by the rank's rule: those read since the end of the previous
+update.
 
 A lane call is waited for like an actor call (:func:`sglang.srt.ray.rdt.ranks.gather`
 takes both). It cannot hang: it is bounded by the caller's timeout, and it
@@ -75,6 +78,16 @@ class LaneCall:
             return ray.get(self._ray_ref, timeout=max(0.0, deadline - time.monotonic()))
         raise WeightSyncError(f"the rank's call lane refused the call ({why}): {message}")
 
+    def finished(self) -> bool:
+        """Whether the rank answered (and any actor call it fell back to returned)."""
+        if not self._done:
+            return False
+        if self._ray_ref is None:
+            return True
+        import ray
+
+        return bool(ray.wait([self._ray_ref], timeout=0)[0])
+
     def wait(self, timeout_s: float) -> None:
         """Wait until the rank answered (or the time is up); never raises and
         never starts the actor call a refused lane call falls back to."""
@@ -136,7 +149,8 @@ class Lanes:
         self.enabled = enabled
         self.opened = False
         self.links: Dict[int, RankLink] = {}
-        self._held: Dict[int, str] = {}  # rank -> hex of the ref it read last through Ray
+        self._held: Dict[int, set] = {}  # rank -> hex of the refs it holds
+        self._read: Dict[int, set] = {}  # rank -> hex of the refs it read in this update
 
     def open(self, ranks, statuses: Sequence[Dict[str, Any]], call_timeout_s: float) -> None:
         """Open a lane to every rank on this process's node (once). A rank
@@ -168,8 +182,15 @@ class Lanes:
                                r.label(), type(e).__name__, str(e).splitlines()[0][:200])
 
     def held(self, rank: int, ref) -> None:
-        """``rank`` read ``ref`` through Ray: later pulls of it may use the lane."""
-        self._held[rank] = ref.hex()
+        """``rank`` read ``ref``: it holds it until an update ends that does not read it."""
+        if self.links:
+            self._held.setdefault(rank, set()).add(ref.hex())
+            self._read.setdefault(rank, set()).add(ref.hex())
+
+    def update_ended(self) -> None:
+        """The ranks' rule at an update's end: refs the update did not read are let go."""
+        self._held = {r: self._read.get(r, set()) & held for r, held in self._held.items()}
+        self._read = {}
 
     def pull(self, rank, ref, names, timeout, extra: Dict[str, Any]):
         """``rank.actor.pull_weights.remote([ref], names, timeout, **extra)``,
@@ -179,17 +200,18 @@ class Lanes:
             return rank.actor.pull_weights.remote([ref], names, timeout, **extra)
 
         link = self.links.get(rank.index)
-        if link is None or self._held.get(rank.index) != ref.hex():
+        if link is None or ref.hex() not in self._held.get(rank.index, ()):
             return through_ray()
         return link.send("pull_weights", {"ref_ids": [ref.hex()], "names": names,
                                           "timeout": timeout, **extra}, fallback=through_ray)
 
     def forget(self) -> None:
         self._held.clear()
+        self._read.clear()
 
     def close(self) -> None:
         for link in self.links.values():
             link.close()
         self.links.clear()
-        self._held.clear()
+        self.forget()
         self.opened = False

@@ -18,7 +18,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from sglang.srt.ray.rdt.defaults import NUM_SLOTS
 from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.trainer.buckets import Step
+from sglang.srt.ray.rdt.ranks import settle, unfinished
 from sglang.srt.ray.rdt.trainer.discovery import RankInfo
+from sglang.srt.ray.rdt.trainer.lane import LaneCall, Lanes
 from sglang.srt.ray.rdt.trainer.stats import BucketStats
 
 logger = logging.getLogger(__name__)
@@ -35,7 +37,8 @@ class Flight:
     token: str
     refs: List[Any]
     fill_seconds: float
-    pulls: List[Tuple[int, Any]] = field(default_factory=list)
+    pulls: List[Tuple[int, Any]] = field(default_factory=list)  # (rank, ObjectRef or LaneCall)
+    pulled: List[Any] = field(default_factory=list)  # the ref each of those pulls reads
 
 
 @dataclass
@@ -59,10 +62,14 @@ class BucketPipeline:
         ranks: Sequence[RankInfo],
         sender_call: Callable[..., Any],
         gather: Callable[[Sequence[Tuple[int, Any]], str, float], Dict[int, Any]],
+        lanes: Optional[Lanes] = None,
     ):
         self.ranks = ranks
         self.sender_call = sender_call
         self.gather = gather
+        # A bucket ref a rank read before (the sender keeps them) is pulled
+        # over the rank's same-node call lane (.lane).
+        self.lanes = lanes or Lanes(enabled=False)
         self.stuck: Dict[int, Flight] = {}
 
     def run(
@@ -114,9 +121,12 @@ class BucketPipeline:
             (refs,) = self.sender_call("prime", slot, layout)
             for region, ref in zip(step.regions, refs):
                 for r in groups[region.group]:
-                    calls.append((r, self.ranks[r].actor.prepare_pull_weights.remote(
+                    calls.append((r, ref, self.ranks[r].actor.prepare_pull_weights.remote(
                         [ref], region.bucket.names)))
-        self.gather(calls, "prepare_pull_weights of the buckets", call_timeout_s)
+        self.gather([(r, call) for r, _, call in calls], "prepare_pull_weights of the buckets",
+                    call_timeout_s)
+        for r, ref, _ in calls:
+            self.lanes.held(r, ref)
         return len(calls)
 
     def _fill(self, run: PipelineRun, step: Step, payloads, groups, tag: str) -> Flight:
@@ -140,9 +150,8 @@ class BucketPipeline:
         for region, ref in zip(flight.step.regions, flight.refs):
             names = region.bucket.names
             for r in groups[region.group]:
-                flight.pulls.append(
-                    (r, self.ranks[r].actor.pull_weights.remote([ref], names, pull_timeout))
-                )
+                flight.pulls.append((r, self.lanes.pull(self.ranks[r], ref, names, pull_timeout, {})))
+                flight.pulled.append(ref)
 
     def _land(self, run: PipelineRun, flight: Flight, wait_s: float,
               progress: Optional[Progress]) -> None:
@@ -151,6 +160,9 @@ class BucketPipeline:
         # Every rank's pull of this slot returned: it may be written again.
         self.sender_call("release", flight.slot, flight.token)
         del run.flights[flight.slot]
+        for (r, call), ref in zip(flight.pulls, flight.pulled):
+            self.lanes.held(r, ref)
+            run.lane_calls += isinstance(call, LaneCall)
         rank_seconds = [float(results[r].get("seconds", 0.0)) for r, _ in flight.pulls]
         for r, _ in flight.pulls:
             for t in str(results[r].get("transport") or "").split(","):
@@ -173,13 +185,9 @@ class BucketPipeline:
     # -- after a failure ------------------------------------------------------ #
     def settle(self, run: PipelineRun, wait_s: float) -> None:
         """Wait (bounded) for pulls still reading; free their slots."""
-        import ray
-
         for slot, flight in list(run.flights.items()):
-            refs = [ref for _, ref in flight.pulls]
-            not_ready = []
-            if refs:
-                _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+            settle(flight.pulls, wait_s)
+            not_ready = unfinished(flight.pulls)
             if not_ready:
                 logger.error(
                     "[RDT] %d pull(s) of bucket slot %d did not return; the slot stays "
@@ -194,11 +202,9 @@ class BucketPipeline:
 
     def reclaim_stuck(self) -> None:
         """Free slots a failed update left in flight, once their pulls are over."""
-        import ray
-
         for slot, flight in list(self.stuck.items()):
-            refs = [ref for _, ref in flight.pulls]
-            _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=1.0) if refs else ([], [])
+            settle(flight.pulls, 1.0)
+            not_ready = unfinished(flight.pulls)
             if not_ready:
                 raise WeightSyncError(
                     f"a pull of a previous, failed update still reads bucket slot {slot} "

@@ -48,6 +48,8 @@ def run_update(client, named_tensors, version: Optional[str], bucket_bytes: Opti
         steps, buffer_bytes = plan_steps(items_per_group, bucket_bytes or client.bucket_bytes)
         client.pipeline.reclaim_stuck()
         client.sender.prepare(buffer_bytes, client.ranks)
+        if client.sender.local:
+            direct.open_lanes(client)  # the buckets' refs are this process's
     run = PipelineRun(steps)
     t_end = 0.0
     try:
@@ -76,6 +78,9 @@ def run_update(client, named_tensors, version: Optional[str], bucket_bytes: Opti
         if run.session_open:
             _abort(client, run, e, fold)
         raise
+    finally:
+        if run.session_open:  # the ranks ended (or aborted) an update: as they do, let go
+            client.lanes.update_ended()  # of the refs it did not read
 
     client.updates += 1
     stats = UpdateStats.of(run, steps, groups, version, len(client.ranks),

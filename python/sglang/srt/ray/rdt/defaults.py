@@ -9,6 +9,11 @@ NIXL = "NIXL"
 SGLANG_IPC = "SGLANG_IPC"
 PULLABLE_TRANSPORTS = (NIXL, SGLANG_IPC)
 
+# The same-node call lane (engine/local_lane.py, trainer/lane.py): the error
+# kind of a lane call naming a ref the rank does not hold (the trainer then
+# sends it as an actor call).
+LANE_NOT_HELD = "not_held"
+
 # A pull's transfer, on the rank (--rdt-pull-timeout's default).
 PULL_TIMEOUT_S = 60.0
 # How long a call waits for the scheduler loop to reach a safe point.

@@ -13,6 +13,8 @@
   :mod:`.nixl_traps` (the two silent NIXL slow paths, named);
 - :mod:`.actor_mixin` — the SchedulerActor's weight-sync methods, wiring the
   core to the actor; :mod:`.standalone` — the core around a plain model;
+- :mod:`.local_lane` — :class:`RankLane`, the rank's same-node call lane
+  (a Unix socket into the core's own pull, for refs the rank read before);
 - :mod:`.session`, :mod:`.http_routes`, :mod:`.engine_mixin` — the
   engine-wide update session (``/weight_sync/*``, ``RayEngine``);
 - :mod:`.metrics` — Prometheus metrics of a rank.

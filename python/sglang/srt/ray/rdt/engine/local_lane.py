@@ -41,6 +41,8 @@ import tempfile
 import threading
 from typing import Any, Dict, List, Optional, Sequence
 
+from sglang.srt.ray.rdt.defaults import LANE_NOT_HELD
+
 logger = logging.getLogger(__name__)
 
 # Requests a lane serves (the rank core's methods it calls).
@@ -52,7 +54,7 @@ POLL_MS = 200
 MAX_HELD_PER_SENDER = 256
 # Error kind of a call that names a ref this rank does not hold: the caller
 # sends the same pull through the actor method instead.
-NOT_HELD = "not_held"
+NOT_HELD = LANE_NOT_HELD
 
 
 class RefNotHeld(Exception):

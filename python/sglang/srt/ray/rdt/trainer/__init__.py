@@ -12,7 +12,9 @@
 - :mod:`.hf_reshard` — Hugging Face state dicts turned into each rank's
   tensors with sglang's own loaders (``update(..., layout="hf")``);
 - :mod:`.direct` — zero-copy updates: ranks on the trainer's node read the
-  trainer's own tensors (no buckets).
+  trainer's own tensors (no buckets);
+- :mod:`.lane` — the trainer's side of the ranks' same-node call lanes
+  (pulls of refs a rank read before, without a Ray round trip).
 
 May import: torch, Ray, :mod:`sglang.srt.ray.rdt.errors`,
 :mod:`sglang.srt.ray.rdt.ranks`, :mod:`sglang.srt.ray.rdt.defaults`,

@@ -25,6 +25,7 @@ import pickle
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
+from sglang.srt.ray.rdt.defaults import LANE_NOT_HELD
 from sglang.srt.ray.rdt.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -67,9 +68,7 @@ class LaneCall:
         if kind == "raise":
             raise rest[0]
         why, message = rest
-        from sglang.srt.ray.rdt.engine.local_lane import NOT_HELD
-
-        if why == NOT_HELD and self._fallback is not None:
+        if why == LANE_NOT_HELD and self._fallback is not None:
             import ray
 
             if self._ray_ref is None:

@@ -138,6 +138,29 @@ def test_a_rank_whose_process_is_gone_fails_the_call_at_once(tmp_path):
         silent.close(linger=0)
 
 
+def test_a_dead_ranks_lane_directory_is_removed_by_the_next_lane(tmp_path):
+    """A killed rank cannot remove its socket directory; the next lane that
+    starts on the host removes those of processes that are gone."""
+    from sglang.srt.ray.rdt.engine.local_lane import DIR_PREFIX, remove_dead_lanes
+
+    proc = subprocess.Popen(["sleep", "60"])
+    alive = tmp_path / f"{DIR_PREFIX}{proc.pid}-abc"
+    alive.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = tmp_path / f"{DIR_PREFIX}{gone.pid}-def"
+    dead.mkdir()
+    (dead / "lane").write_text("")
+    other = tmp_path / f"{DIR_PREFIX}notapid-ghi"
+    other.mkdir()
+    try:
+        assert remove_dead_lanes(str(tmp_path)) == 1
+        assert not dead.exists() and alive.exists() and other.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_close_stops_serving_and_removes_the_socket(lane):
     path = lane.info["address"][len("ipc://"):]
     assert os.path.exists(path)

@@ -49,12 +49,34 @@ logger = logging.getLogger(__name__)
 OPS = ("pull_weights", "ping")
 # How often the serving thread looks whether the lane was closed.
 POLL_MS = 200
+# A lane's socket directory: DIR_PREFIX + "<pid>-<random>" in the temp dir.
+DIR_PREFIX = "sglang-rdt-lane-"
 # Refs a rank holds per trainer process at most (a model's buckets, or one
 # zero-copy ref per update).
 MAX_HELD_PER_SENDER = 256
 # Error kind of a call that names a ref this rank does not hold: the caller
 # sends the same pull through the actor method instead.
 NOT_HELD = LANE_NOT_HELD
+
+
+def remove_dead_lanes(base: str) -> int:
+    """Remove the lane directories under ``base`` of this user's processes
+    that are gone (a killed rank cannot remove its own). Returns how many."""
+    import glob
+
+    n = 0
+    for path in glob.glob(os.path.join(base, DIR_PREFIX + "*")):
+        try:
+            pid = int(os.path.basename(path)[len(DIR_PREFIX):].split("-", 1)[0])
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            n += 1
+        except (ValueError, OSError):
+            continue  # not ours, or the process lives (or we may not tell)
+    return n
 
 
 class RefNotHeld(Exception):
@@ -91,12 +113,18 @@ class RankLane:
         return {"address": self._address, "secret": self._secret, "pid": os.getpid()}
 
     def _start(self) -> None:
+        import atexit
+
         import zmq
 
         base = tempfile.gettempdir()
         if len(base) > 60:  # a Unix socket path must stay under ~107 bytes
             base = "/tmp"
-        self._dir = tempfile.mkdtemp(prefix="sglang-rdt-lane-", dir=base)  # mode 0700
+        remove_dead_lanes(base)
+        # mode 0700; named by pid, so a later rank can remove it if this
+        # process dies without closing its lane (killed actors do)
+        self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=base)
+        atexit.register(shutil.rmtree, self._dir, True)
         self._address = f"ipc://{self._dir}/lane"
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.ROUTER)

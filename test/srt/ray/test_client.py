@@ -800,6 +800,25 @@ def test_client_updates_a_live_server_and_rejects_bad_tensors_first(
     assert any(k.startswith("sglang:num_running_reqs") for k in samples), sorted(samples)[:60]
     client.close()
 
+    # The real SchedulerActor reads this process's own tensors in place, and
+    # from the second update on gets the pull over its call lane.
+    with WeightSyncClient.connect(port=server.port, namespace=ray_head.namespace,
+                                  sender="local", export="direct") as direct_client:
+        new = random_state_dict(tiny_model, 23)
+        lane_calls = []
+        for version in ("d-1", "d-2"):
+            for t in new.values():
+                t.mul_(-1.0)  # in place: the kept ref serves again
+            stats = direct_client.update(new, version=version, strict=True)
+            lane_calls.append(stats.lane_calls)
+            res = server.generate(PROMPT, 16)
+            assert res["output_ids"] == hf_greedy(tiny_model, PROMPT, 16, new)
+            assert res["meta_info"]["weight_version"] == version
+        assert lane_calls == [0, 1] and stats.transport == "cma"
+        lane = ray_client.get(rank.get_weight_sync_status.remote(), timeout=60)["lane"]
+        assert lane["open"] and lane["calls"] == 1 and lane["held_refs"] == 1
+    assert ray_client.get(rank.get_weight_sync_status.remote(), timeout=60)["lane"]["held_refs"] == 0
+
 
 @pytest.mark.slow
 def test_metrics_recorded_in_an_actor_reach_rays_prometheus_endpoint(ray_client):

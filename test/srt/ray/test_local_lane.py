@@ -15,7 +15,8 @@ import time
 import pytest
 import zmq
 
-from sglang.srt.ray.rdt.engine.local_lane import NOT_HELD, RankLane
+from sglang.srt.ray.rdt.defaults import LANE_NOT_HELD as NOT_HELD
+from sglang.srt.ray.rdt.engine.local_lane import RankLane
 from sglang.srt.ray.rdt.errors import WeightSyncError, WeightsInconsistentError
 from sglang.srt.ray.rdt.trainer.lane import LaneCall, RankGone, RankLink
 

@@ -54,9 +54,6 @@ DIR_PREFIX = "sglang-rdt-lane-"
 # Refs a rank holds per trainer process at most (a model's buckets, or one
 # zero-copy ref per update).
 MAX_HELD_PER_SENDER = 256
-# Error kind of a call that names a ref this rank does not hold: the caller
-# sends the same pull through the actor method instead.
-NOT_HELD = LANE_NOT_HELD
 
 
 def remove_dead_lanes(base: str) -> int:
@@ -237,6 +234,6 @@ class RankLane:
             return ("ok", self._pull(refs, kwargs["names"], kwargs.get("timeout"),
                                      kwargs.get("finalize")))
         except RefNotHeld as e:
-            return ("error", NOT_HELD, str(e))
+            return ("error", LANE_NOT_HELD, str(e))
         except BaseException as e:
             return ("raise", e)

@@ -44,7 +44,7 @@ from sglang.srt.ray.rdt.ranks import settle
 from sglang.srt.ray.rdt.trainer.lane import LaneCall, Lanes
 from sglang.srt.ray.rdt.trainer.discovery import RankInfo
 from sglang.srt.ray.rdt.trainer.payloads import signature, split_payloads
-from sglang.srt.ray.rdt.trainer.pipeline import PipelineRun
+from sglang.srt.ray.rdt.trainer.pipeline import PipelineRun, prepare_pulls
 from sglang.srt.ray.rdt.trainer.stats import BucketStats
 
 
@@ -258,12 +258,8 @@ def prepare(client, named_tensors) -> Optional[str]:
     client._direct_used = True
     open_lanes(client)  # before the prepare: the ranks then keep its refs
     refs, names = group_refs(payloads, groups, put_direct, client._direct_refs)
-    calls = [(r, ref, client.ranks[r].actor.prepare_pull_weights.remote([ref], ns))
-             for ref, ns, group in zip(refs, names, groups) for r in group]
-    client._gather([(r, call) for r, _, call in calls], "prepare_pull_weights",
-                   client.call_timeout_s)
-    for r, ref, _ in calls:
-        client.lanes.held(r, ref)
+    prepare_pulls(client.ranks, list(zip(refs, names, groups)), client._gather, client.lanes,
+                  "prepare_pull_weights", client.call_timeout_s)
     return None
 
 

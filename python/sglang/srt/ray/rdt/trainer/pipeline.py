@@ -56,6 +56,19 @@ class PipelineRun:
     lane_calls: int = 0  # pulls sent over a rank's same-node call lane
 
 
+def prepare_pulls(ranks: Sequence[RankInfo], sends, gather, lanes: Lanes, phase: str,
+                  timeout_s: float) -> int:
+    """``prepare_pull_weights([ref], names)`` on every rank of each ``(ref,
+    names, rank indices)`` of ``sends``, waited for together; the ranks then
+    hold those refs (their lanes may name them). Returns how many calls."""
+    calls = [(r, ref, ranks[r].actor.prepare_pull_weights.remote([ref], names))
+             for ref, names, group in sends for r in group]
+    gather([(r, call) for r, _, call in calls], phase, timeout_s)
+    for r, ref, _ in calls:
+        lanes.held(r, ref)
+    return len(calls)
+
+
 class BucketPipeline:
     def __init__(
         self,
@@ -112,22 +125,17 @@ class BucketPipeline:
         refs; nothing is copied) and have each rank prepare its pulls of them
         (``prepare_pull_weights``: checks, plan, same-node mappings; nothing
         written). The first update then costs what later ones do."""
-        calls = []
+        sends = []
         for step in steps:
             slot = step.index % NUM_SLOTS
             layout = [(region.offset,
                        [(s.name, s.offset, s.nbytes, s.shape, s.dtype) for s in region.bucket.slices])
                       for region in step.regions]
             (refs,) = self.sender_call("prime", slot, layout)
-            for region, ref in zip(step.regions, refs):
-                for r in groups[region.group]:
-                    calls.append((r, ref, self.ranks[r].actor.prepare_pull_weights.remote(
-                        [ref], region.bucket.names)))
-        self.gather([(r, call) for r, _, call in calls], "prepare_pull_weights of the buckets",
-                    call_timeout_s)
-        for r, ref, _ in calls:
-            self.lanes.held(r, ref)
-        return len(calls)
+            sends += [(ref, region.bucket.names, groups[region.group])
+                      for region, ref in zip(step.regions, refs)]
+        return prepare_pulls(self.ranks, sends, self.gather, self.lanes,
+                             "prepare_pull_weights of the buckets", call_timeout_s)
 
     def _fill(self, run: PipelineRun, step: Step, payloads, groups, tag: str) -> Flight:
         slot = step.index % NUM_SLOTS

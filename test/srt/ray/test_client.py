@@ -108,6 +108,40 @@ def test_layout_check_names_the_parameter_expected_and_actual():
         check_tensors([item("w", (4, 4), "bfloat16")], layout, "rank 0", strict=True)
 
 
+def test_the_client_checks_a_layout_once_even_when_the_tensors_are_new(monkeypatch):
+    """An update with the names, shapes and dtypes of the last one that passed
+    is not checked again — also when its tensors live at new addresses (a
+    trainer handing over fresh tensors every step); a new shape or dtype is."""
+    from sglang.srt.ray.rdt.trainer import payloads
+
+    calls = []
+    monkeypatch.setattr(payloads, "check_tensors",
+                        lambda items, layout, label, strict=False: calls.append(label)
+                        or check_tensors(items, layout, label, strict=strict))
+    layouts = [{"w": {"shape": [4, 4], "dtype": "float32"}, "b": {"shape": [4], "dtype": "float32"}}]
+    check = payloads.LayoutCheck()
+
+    def run(tensors):
+        ps, groups = payloads.split_payloads(tensors, 1)
+        return check.items_per_group(ps, groups, layouts, ["rank 0"], False,
+                                     [payloads.signature(ps[g[0]]) for g in groups])
+
+    first = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
+    items = run(first)
+    assert calls == ["rank 0"] and [i.name for i in items[0]] == ["w", "b"]
+    assert run(first) == items and len(calls) == 1  # the same tensors
+    fresh = {"w": torch.ones(4, 4), "b": torch.ones(4)}
+    assert fresh["w"].data_ptr() != first["w"].data_ptr()
+    assert run(fresh) == items and len(calls) == 1  # new tensors, same layout
+    with pytest.raises(WeightSyncError, match=r"'w' on rank 0.*float64"):
+        run({"w": torch.ones(4, 4, dtype=torch.float64), "b": torch.ones(4)})
+    assert len(calls) == 2
+    with pytest.raises(WeightSyncError, match=r"'w' on rank 0.*shape=\[2, 8\]"):
+        run({"w": torch.ones(2, 8), "b": torch.ones(4)})
+    assert len(calls) == 3
+    run(fresh)  # the refused ones did not replace the layout that passed
+    assert len(calls) == 3
+
 # --------------------------------------------------------------------------- #
 # The sender's guard (in process: fake NIXL registration and put)
 # --------------------------------------------------------------------------- #

@@ -39,8 +39,9 @@ def normalize(named: NamedTensors) -> Dict[str, torch.Tensor]:
             raise WeightSyncError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
         if name in out:
             raise WeightSyncError(f"{name!r} is given twice")
-        # (a tensor that records no autograd history already is one: no new object per tensor)
-        out[name] = t.detach() if t.requires_grad or t.grad_fn is not None else t
+        # A tensor that records no autograd history (requires_grad False: no
+        # grad_fn either) already is one: no new object per tensor.
+        out[name] = t.detach() if t.requires_grad else t
     if not out:
         raise WeightSyncError("empty update: no tensors were given")
     return out
@@ -77,27 +78,42 @@ def signature(payload: Mapping[str, torch.Tensor]) -> tuple:
     return tuple((n, t.data_ptr(), t.shape, t.dtype, t.stride()) for n, t in payload.items())
 
 
+def layout_of(sig: tuple) -> tuple:
+    """The names, shapes and dtypes of a :func:`signature` (no addresses)."""
+    return tuple((n, shape, dtype) for n, _, shape, dtype, _ in sig)
+
+
 class LayoutCheck:
     """Checks each rank group's tensors against its ranks' layouts; an update
     with the same names, shapes and dtypes as the last one that passed the
-    same (cached) layouts is not checked again."""
+    same (cached) layouts is not checked again — also when its tensors are new
+    ones (other addresses), as a trainer that hands over fresh tensors every
+    step has."""
 
     def __init__(self):
-        self._passed: Dict[int, tuple] = {}  # group index -> (signature, layouts, items)
+        # group index -> (signature, layouts, items, names/shapes/dtypes)
+        self._passed: Dict[int, tuple] = {}
 
     def items_per_group(self, payloads, groups, layouts, labels, strict: bool,
                         sigs: Optional[Sequence[tuple]] = None) -> List[List[TensorItem]]:
         out = []
         for g, group in enumerate(groups):
             payload = payloads[group[0]]
-            sig = (tuple(group), strict, sigs[g] if sigs is not None else signature(payload))
+            raw = sigs[g] if sigs is not None else signature(payload)
+            sig = (tuple(group), strict, raw)
             cached = self._passed.get(g)
-            if cached is not None and cached[0] == sig and cached[1] is layouts:
-                out.append(cached[2])
-                continue
+            if cached is not None and cached[1] is layouts and cached[0][:2] == sig[:2]:
+                if cached[0] == sig:
+                    out.append(cached[2])
+                    continue
+                layout = layout_of(raw)
+                if layout == cached[3]:
+                    self._passed[g] = (sig, layouts, cached[2], layout)
+                    out.append(cached[2])
+                    continue
             items = [tensor_item(n, t.shape, t.dtype) for n, t in payload.items()]
             for r in group:
                 check_tensors(items, layouts[r], labels[r], strict=strict)
-            self._passed[g] = (sig, layouts, items)
+            self._passed[g] = (sig, layouts, items, layout_of(raw))
             out.append(items)
         return out

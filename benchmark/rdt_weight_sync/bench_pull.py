@@ -1213,7 +1213,8 @@ class ClientTrainer(_Side):
                     {**{k: p.get(k) for k in ("fetch_seconds", "seconds", "plan_seconds", "bytes", "transport",
                                               "ipc", "stages")},
                      "enter": p["t_enter"] - t_up0, "exit": p["t_exit"] - t_up0,
-                     "pull_start": p["timing"]["pull_start"] - t_up0}
+                     **{k: p["timing"][k] - t_up0 for k in ("pull_start", "queued", "started", "finished",
+                                                            "resumed") if k in p["timing"]}}
                     for p in ray.get(rank.take_pulls.remote())
                 ]
                 out.append(d)
@@ -1717,6 +1718,46 @@ def summarize(res: Dict[str, Any], device: str) -> Dict[str, Any]:
     return {"rows": rows, "ref_per_tensor": ref_per, "ref_one_tensor": ref_one}
 
 
+def one_call_timeline(u: Dict[str, Any]) -> Optional[Dict[str, float]]:
+    """Where an update made of one pull call went (ms from the update's start):
+    the client's own work before the call, the way to the rank's method, the
+    hop to the rank's loop, the pull (its copy), the update's end, the rank's
+    method after it, and the way back to the client and its bookkeeping."""
+    pulls = u.get("rank_pulls") or []
+    waits = [e for e in (u.get("events") or []) if e[0] == "gather"]
+    if len(pulls) != 1 or len(waits) != 1:
+        return None
+    p, (_, g0, gdt) = pulls[0], waits[0]
+    st = p.get("stages") or {}
+    pull_end = p["pull_start"] + (p.get("seconds") or 0.0)
+    fin = st.get("finalize", 0.0)
+    return {k: v * 1e3 for k, v in {
+        "client before the call": g0,
+        "to the rank's method": p["enter"] - g0,
+        "hop to the loop": p.get("started", p["pull_start"]) - p["enter"],
+        "loop until the pull": p["pull_start"] - p.get("started", p["pull_start"]),
+        "pull": p.get("seconds") or 0.0,
+        "of which copy": ((p.get("ipc") or {}).get("copy_seconds") or 0.0),
+        "update's end": fin,
+        "rank after the end": p["exit"] - pull_end - fin,
+        "of which hop back": p.get("resumed", 0.0) - p.get("finished", 0.0),
+        "back to the client": g0 + gdt - p["exit"],
+        "client after the call": u["t_stop"] - u["t_start"] - g0 - gdt,
+        "whole": u["t_stop"] - u["t_start"],
+    }.items()}
+
+
+def one_call_timelines(cl: Dict[str, Any]) -> List[Tuple[str, str]]:
+    out = []
+    for transport, v in cl.items():
+        ups = (v or {}).get("updates") if isinstance(v, dict) else None
+        lines = [t for t in (one_call_timeline(u) for u in (ups or [])[1:]) if t]
+        if lines:
+            out.append((transport, "; ".join(
+                f"{k} {statistics.median(t[k] for t in lines):.2f}" for k in lines[0])))
+    return out
+
+
 def stage_table(res: Dict[str, Any]) -> List[Tuple[str, str, str]]:
     pulls = res.get("pull")
     if not pulls:
@@ -1800,6 +1841,8 @@ def print_report(results: Dict[str, Any], args) -> bool:
                 f"reused={x['ipc']['reused']} copies={x['ipc']['copies']} streams={x['ipc']['streams']} "
                 f"open={x['ipc']['open_seconds'] * 1e3:.1f}ms copy={x['ipc']['copy_seconds'] * 1e3:.1f}ms"
                 for i, x in enumerate(p[:2])))
+        for transport, line in one_call_timelines(res.get("client") or {}):
+            print(f"\none-call update timeline, {transport} (median ms of steady updates): {line}")
         cc = (res.get("client") or {}).get("call_cost")
         if cc:
             print(f"\npull_weights fixed cost on the rank core ({cc['name']}, {cc['bytes']} B, "

@@ -34,7 +34,7 @@ from sglang.srt.managers.scheduler_safe_point import (
     SafePointQueue,
     run_safe_point_tasks,
 )
-from sglang.srt.ray.rdt.errors import WeightSyncError
+from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
 from sglang.srt.ray.rdt.engine.plan import TensorSpec
 from sglang.srt.ray.rdt.engine.receiver import RdtWeightReceiver
 from sglang.srt.ray.rdt.engine.registration import RegistrationBook
@@ -136,12 +136,109 @@ def test_after_an_update_plans_survive_only_for_the_same_parameter_objects():
     assert (walked, reused) == (True, False)
     assert targets[1].data_ptr() == model.bias.data_ptr()
 
+    # sglang's own loads (update_weights_from_disk/tensor/...) may replace a
+    # parameter object too: the plan kept the old one alive, so only the walk
+    # their listener event asks for can tell.
+    _plan(recv, specs, names)
+    model.weight = torch.nn.Parameter(torch.zeros(4, 4))
+    _, walked, reused = _plan(recv, specs, names)
+    assert (walked, reused) == (False, True)  # the old object still looks live
+    recv.on_weights_loaded()
+    targets, walked, reused = _plan(recv, specs, names)
+    assert (walked, reused) == (True, False)
+    assert targets[0].data_ptr() == model.weight.data_ptr()
+
     # Release/resume (memory saver) and a new registration drop the plans.
     for event in (recv.on_weights_released, recv.on_weights_resumed, recv.register):
         _plan(recv, specs, names)
         event()
         _, walked, reused = _plan(recv, specs, names)
         assert (walked, reused) == (True, False), event
+
+
+class _IpcRef:
+    """Stands for an SGLANG_IPC ref of GPU tensors (its specs already read)."""
+
+    def __init__(self, hex_id):
+        self._hex = hex_id
+
+    def hex(self):
+        return self._hex
+
+
+@pytest.fixture
+def ipc_pulls(monkeypatch):
+    """A receiver whose refs read "over CUDA IPC": the fake copy writes 7s into
+    the targets, then runs what the receiver asks to run during the copy."""
+    from sglang.srt.ray.rdt.engine import receiver as receiver_mod
+    from sglang.srt.ray.rdt.engine.update_state import Writer
+
+    model = torch.nn.Linear(4, 4).requires_grad_(False)
+    recv, _ = _receiver(model)
+    events, serve = [], {"same_node": True}
+
+    def fetch(ref, targets, copy=True, while_copying=None):
+        if not serve["same_node"]:
+            return None  # this path cannot read it here; nothing written
+        events.append("launch")
+        for t in targets:
+            t.fill_(7.0)
+        if while_copying is not None:
+            events.append("check")
+            while_copying()
+        return list(targets)
+
+    monkeypatch.setattr(receiver_mod, "cuda_ipc_ref", lambda ref: True)
+    monkeypatch.setattr(receiver_mod, "fetch_same_node", fetch)
+    monkeypatch.setattr(receiver_mod, "nixl_job", lambda ref, targets: None)
+    monkeypatch.setattr(receiver_mod, "ref_writer", lambda ref: Writer("trainer", "trainer"))
+    monkeypatch.setattr(receiver_mod, "transport_used", lambda ref: "cuda_ipc")
+    names = ["weight", "bias"]
+
+    def pull():
+        ref = _IpcRef("ab" * 20)
+        recv._ref_specs[ref.hex()] = _specs(model, names)[0]
+        events.clear()
+        return recv.pull([ref], names)
+
+    return types.SimpleNamespace(model=model, recv=recv, events=events, serve=serve, pull=pull)
+
+
+def test_over_cuda_ipc_a_reused_plan_is_checked_while_the_copy_runs(ipc_pulls):
+    p = ipc_pulls
+    assert p.pull()["plan_reused"] is False and p.events == ["launch"]  # checked by planning
+    assert p.pull()["plan_reused"] is True and p.events == ["launch", "check"]
+    assert torch.equal(p.model.bias, torch.full((4,), 7.0))
+
+    # A parameter re-viewed behind the rank core's back (no update's end, no
+    # sglang load): the copy already went into the planned storage, so the
+    # pull fails and the rank says it is inconsistent.
+    p.model.weight.data = p.model.weight.data.t()
+    with pytest.raises(WeightsInconsistentError, match="changed since this layout was planned"):
+        p.pull()
+    assert p.events == ["launch", "check"]
+    assert p.recv.state.consistent is False
+    # Planned afresh: the re-viewed parameter is refused before anything moves.
+    with pytest.raises(WeightSyncError, match="not contiguous"):
+        p.pull()
+    assert p.events == []
+    p.model.weight.data = p.model.weight.data.contiguous()
+    assert p.pull()["plan_reused"] is False
+    p.recv.state.end()
+    assert p.recv.state.consistent is True  # a complete update landed
+
+
+def test_a_moved_plan_found_before_another_path_writes_writes_nothing(ipc_pulls):
+    p = ipc_pulls
+    p.pull()
+    p.serve["same_node"] = False  # e.g. the mapping was refused: Ray's fetch would read it
+    p.model.weight.data = p.model.weight.data.clone()  # same layout, new storage
+    before = p.model.weight.data.clone()
+    with pytest.raises(WeightSyncError, match="changed since this layout was planned.*nothing was "
+                       "written") as e:
+        p.pull()
+    assert not isinstance(e.value, WeightsInconsistentError)
+    assert torch.equal(p.model.weight.data, before) and p.recv.state.consistent is True
 
 
 # --------------------------------------------------------------------------- #

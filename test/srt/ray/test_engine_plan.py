@@ -169,6 +169,44 @@ def test_receiver_drops_registrations_on_release_and_restores_on_resume():
     assert nixl.live == {}
 
 
+def test_sglangs_own_weight_loads_make_the_rank_walk_the_model_again():
+    """Every update_weights_from_{disk,distributed,tensor,ipc} of the patched
+    weight updater ends in _observe_weight_load, which tells the listeners;
+    the rank core then walks the model again (on its loop's thread, not in
+    the next pull): the load's post-load processing may have replaced
+    parameter objects, which no check of the old objects can see."""
+    import threading
+    import time
+
+    from sglang.srt.managers.scheduler_components.weight_updater import (
+        SchedulerWeightUpdaterManager,
+    )
+    from sglang.srt.ray.rdt.engine.standalone import standalone_rank
+
+    model = torch.nn.Linear(4, 2)
+    sync = standalone_rank(model, rank="t")
+    try:
+        walks = []
+        named = sync.port.named_parameters
+        sync.port.named_parameters = lambda: walks.append(threading.get_ident()) or named()
+        sync.receiver.param_names()  # a first walk, as a first pull makes
+        scheduler = types.SimpleNamespace()
+        add_weight_listener(scheduler, sync)
+        updater = object.__new__(SchedulerWeightUpdaterManager)
+        updater.scheduler, updater.metrics_collector = scheduler, None
+        with updater._observe_weight_load("disk"):
+            model.weight = torch.nn.Parameter(torch.zeros(2, 4))  # what post-load may do
+        deadline = time.monotonic() + 10
+        while len(walks) < 2 or sync.receiver.needs_refresh():
+            assert time.monotonic() < deadline, walks
+            time.sleep(0.005)
+        assert walks[1] == sync.loop._thread.ident
+        assert sync.receiver._plans.params["weight"] is model.weight
+    finally:
+        sync.loop.stop()
+        sync.shutdown()
+
+
 def test_memory_saver_skips_registration_and_says_why():
     model = torch.nn.Linear(2, 2)
     recv = RdtWeightReceiver(

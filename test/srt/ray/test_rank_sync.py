@@ -104,3 +104,62 @@ def test_a_pull_ends_the_update_only_after_it_landed_and_checks_finalize_first(r
         rank.pull([object()], ["weight"], finalize={"weight_version": "v1"})
     # The pull failed: nothing was ended, the version did not move.
     assert rank.port.version is None and rank.state.status()["updates"] == 0
+
+
+def _wait_for(cond, timeout_s=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_the_next_updates_walk_of_the_model_runs_once_the_update_ended(rank):
+    """After an update's end the next pull would walk the model (post-load
+    may have replaced parameters); that walk runs at the loop's next safe
+    point instead, on the loop's thread, and finds the same parameters."""
+    walks = []
+    named = rank.port.named_parameters
+    rank.port.named_parameters = lambda: (walks.append(threading.get_ident()) or named())
+    recv = rank.receiver
+    recv._plans.param_names()  # the first walk (a pull's)
+    assert walks == [threading.get_ident()]
+    rank.begin()
+    rank.finalize(weight_version="v1")  # the session's end: post-load ran
+    _wait_for(lambda: not recv.needs_refresh())
+    assert walks[1:] == [rank.loop._thread.ident]
+    assert recv.refresh() is False  # nothing left to do for the next pull
+    assert len(walks) == 2
+
+
+def test_an_update_ended_in_a_lane_pull_walks_after_its_answer_left(rank):
+    """A pull that ends the update (finalize=) must answer first: the walk
+    is posted once the lane sent the answer, not while it is on its way."""
+    recv = rank.receiver
+    recv._plans.param_names()
+    order = []
+
+    def pull(refs, names, timeout, finalize):
+        # what RankWeightSync.pull does for a folded finalize, minus the bytes
+        rank._folding = True
+        try:
+            rank.on_scheduler(lambda: (recv.end_of_update(), rank.lane.end_of_update(),
+                                       rank._update_ended()))
+        finally:
+            rank._folding = False
+        order.append(("answered", recv.needs_refresh()))
+        return {"ok": True}
+
+    info = rank.open_lane("trainer-x", pull=pull)
+    from sglang.srt.ray.rdt.trainer.lane import RankLink
+
+    ref = type("Ref", (), {"hex": lambda self: "ef" * 20})()
+    rank.lane._held["trainer-x"] = {ref.hex(): ref}
+    link = RankLink(info["address"], info["secret"], info["pid"])
+    try:
+        assert link.send("pull_weights", {"ref_ids": [ref.hex()], "names": ["weight"]}).result(10) == {"ok": True}
+    finally:
+        link.close()
+    assert order == [("answered", True)]  # still to walk when the answer was built
+    _wait_for(lambda: not recv.needs_refresh())

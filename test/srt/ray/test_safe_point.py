@@ -45,6 +45,30 @@ def test_safe_point_runs_tasks_on_the_loop_thread():
         q.call(sched, lambda s: 1, 1)
 
 
+def test_posted_work_runs_at_the_next_safe_point_without_anyone_waiting(caplog):
+    q = SafePointQueue()
+    assert q.post(lambda s: 1) is False  # no loop runs to take it
+    q.loop_started()
+    ran = []
+    gate = threading.Event()
+    assert q.post(lambda s: ran.append((s, threading.get_ident()))) is True
+    assert q.post(lambda s: {}["missing"]) is True  # a failure is logged, not raised
+    assert q.post(lambda s: gate.set()) is True
+    assert ran == []  # nothing ran on the poster's thread
+    th = threading.Thread(target=q.run_pending, args=("sched",))
+    with caplog.at_level("ERROR", logger="sglang.srt.managers.scheduler_safe_point"):
+        th.start()
+        th.join(5)
+    assert gate.is_set() and ran == [("sched", th.ident)]
+    assert "a task posted to the scheduler's safe point failed: KeyError('missing')" in caplog.text
+    # Pending when the loop stops: dropped quietly (the engine is going away).
+    q.post(lambda s: ran.append("late"))
+    caplog.clear()
+    q.loop_stopped()
+    assert ran == [("sched", th.ident)] and "failed" not in caplog.text
+    assert q.post(lambda s: 1) is False
+
+
 def test_safe_point_times_out_without_running_the_task():
     q = SafePointQueue()
     q.loop_started()  # a loop that never reaches a safe point

@@ -26,6 +26,7 @@ with it through a broadcast).
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -33,6 +34,8 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
+
+logger = logging.getLogger(__name__)
 
 # The longest a quiet loop waits at its safe point before it goes round again
 # (request time-outs are checked once a round).
@@ -193,6 +196,19 @@ class SafePointQueue:
     def state(self) -> str:
         return self._state
 
+    def post(self, fn: Callable[[Any], Any]) -> bool:
+        """Queue ``fn(scheduler)`` for the loop's next safe point without
+        waiting for it: for work that must run on the scheduler thread but
+        that nobody waits on (its result is dropped, an exception is logged).
+        Returns False when no loop runs to take it (not started or stopped)."""
+        if self._state != "running":
+            return False
+        fut: Future = Future()
+        fut.add_done_callback(_log_posted_failure)
+        self._tasks.put((fn, fut, {}))
+        self._wake()
+        return True
+
     def call(self, scheduler, fn: Callable[[Any], Any], timeout_s: float) -> Any:
         """Run ``fn(scheduler)`` on the scheduler thread; wait at most ``timeout_s``.
 
@@ -231,6 +247,12 @@ class SafePointQueue:
             # running behind the caller's back.
             result = fut.result()
         return _stamped(result, stamps)
+
+
+def _log_posted_failure(fut: Future) -> None:
+    exc = None if fut.cancelled() else fut.exception()
+    if exc is not None and not isinstance(exc, EventLoopNotRunning):  # not: the loop stopped
+        logger.error("a task posted to the scheduler's safe point failed: %r", exc)
 
 
 def _stamped(result: Any, stamps: dict) -> Any:

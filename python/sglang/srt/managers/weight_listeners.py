@@ -20,6 +20,10 @@ A listener implements any of these methods (all run on the scheduler thread):
     the session closed (post-load processing done). A returned message is a
     problem with the update (e.g. two trainers wrote one parameter): the
     scheduler reports ``end_weight_update`` as failed with that message.
+``on_weights_loaded(source)``
+    an ``update_weights_from_{disk,distributed,tensor,ipc}`` call finished
+    loading (``source``: ``"disk"``, ...): its post-load processing may have
+    replaced parameters, so pointers kept into them must be looked at again.
 ``on_generation_paused(mode)`` / ``on_generation_continued()``
     ``pause_generation`` (any mode) / ``continue_generation`` reached this rank.
 """
@@ -58,6 +62,14 @@ def notify_weights_resumed(scheduler) -> None:
             fn()
         except Exception as e:  # serving goes on; the next pull re-registers
             logger.error("weight listener failed after resume: %s", e)
+
+
+def notify_weights_loaded(scheduler, source: str) -> None:
+    for fn in _listeners(scheduler, "on_weights_loaded"):
+        try:
+            fn(source)
+        except Exception as e:  # the load itself is done either way
+            logger.error("weight listener failed after a %s load: %s", source, e)
 
 
 def notify_weight_update_begin(scheduler) -> None:

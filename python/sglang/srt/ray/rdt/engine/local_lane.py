@@ -83,9 +83,11 @@ class RefNotHeld(Exception):
 class RankLane:
     """The lane of one rank: the socket, its thread, and the refs it may name."""
 
-    def __init__(self, pull):
+    def __init__(self, pull, after_reply=None):
         # What a lane call runs: RankWeightSync.pull(refs, names, timeout, finalize).
         self._pull = pull
+        # Run once each answer has been sent (work nobody should wait for).
+        self._after_reply = after_reply
         self._lock = threading.Lock()
         self._senders: set = set()  # trainer processes that opened the lane
         self._held: Dict[str, Dict[str, Any]] = {}  # sender -> {ref hex: ref}
@@ -217,6 +219,11 @@ class RankLane:
                 except Exception as e:  # an unpicklable result or exception
                     data = pickle.dumps(("error", "other", f"{type(e).__name__}: {e}"))
                 sock.send_multipart([ident, req_id, data])
+                if self._after_reply is not None:
+                    try:
+                        self._after_reply()
+                    except Exception:  # pragma: no cover - the answer is out already
+                        logger.exception("[RDT] lane: work after an answer failed")
         except Exception:  # pragma: no cover - the lane dies, Ray calls still work
             logger.exception("[RDT] the weight-sync lane stopped")
         finally:

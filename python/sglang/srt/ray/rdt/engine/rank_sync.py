@@ -92,6 +92,7 @@ class RankWeightSync:
             state=self.state,
         )
         self.lane = None  # a RankLane once a trainer on this node opened one
+        self._folding = False  # an update is ending inside a pull call
 
     def open_lane(self, sender: str, pull=None) -> Dict[str, Any]:
         """The same-node call lane (:mod:`.local_lane`) for trainer process
@@ -100,7 +101,7 @@ class RankWeightSync:
         if self.lane is None:
             from sglang.srt.ray.rdt.engine.local_lane import RankLane
 
-            self.lane = RankLane(pull or self.pull)
+            self.lane = RankLane(pull or self.pull, after_reply=self.prepare_next_pull)
         out = self.lane.open(sender)
         from sglang.srt.ray.rdt.transport import sglang_ipc
 
@@ -160,7 +161,13 @@ class RankWeightSync:
                 if self.lane is not None:
                     self.lane.keep(refs)
                 if end is not None:
-                    out["finalized"] = end()
+                    t0 = time.perf_counter()
+                    self._folding = True  # the answer leaves from the caller's thread
+                    try:
+                        out["finalized"] = end()
+                    finally:
+                        self._folding = False
+                    out["stages"]["finalize"] = time.perf_counter() - t0
                 return out
             if why == NOT_PAUSED:
                 return _NOT_PAUSED_YET  # maybe the pause is still on its way
@@ -188,6 +195,14 @@ class RankWeightSync:
             if kind is not None:
                 self.state.fail(kind)
             raise
+
+    def prepare_next_pull(self) -> None:
+        """If the next pull would walk the model first (an update ended, a
+        load replaced parameters), that walk runs at the scheduler's next
+        safe point instead. The lane calls this once a pull's answer has
+        left, so the work is off the critical path of both updates."""
+        if self.receiver.needs_refresh():
+            self.safe_point.post(lambda _scheduler: self.receiver.refresh())
 
     def prepare(self, refs, names) -> Dict[str, Any]:
         """Check a pull and open what it reads from, writing nothing (scheduler
@@ -277,6 +292,13 @@ class RankWeightSync:
         self.receiver.end_of_update(resume_gc=not self.port.paused())
         if self.lane is not None:
             self.lane.end_of_update()
+        if not self._folding:
+            # The next update's walk of the model runs at the next safe point
+            # (after end_weight_update's answer left: this thread sends it).
+            # An update that ends inside a pull call waits for that call's
+            # answer to leave first (the lane's after_reply; through Ray the
+            # next pull walks).
+            self.prepare_next_pull()
 
     # -- the scheduler's weight events (managers/weight_listeners.py) --------- #
     def on_weights_released(self) -> None:
@@ -284,6 +306,11 @@ class RankWeightSync:
 
     def on_weights_resumed(self) -> None:
         self.receiver.on_weights_resumed()
+
+    def on_weights_loaded(self, source: str) -> None:
+        # sglang's own update_weights_from_* (post-load may replace parameters)
+        self.receiver.on_weights_loaded()
+        self.prepare_next_pull()
 
     def on_weight_update_begin(self) -> None:
         self.state.begin()

@@ -36,6 +36,7 @@ from sglang.srt.ray.rdt import gc_pause
 from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S
 from sglang.srt.ray.rdt.engine.nixl_traps import NixlTrapWarnings
 from sglang.srt.ray.rdt.engine.refs import (
+    cuda_ipc_ref,
     fetch_same_node,
     nixl_job,
     ref_tensor_specs,
@@ -57,6 +58,20 @@ from sglang.srt.ray.rdt.engine.plan import PlanCache, TensorSpec, check_in_place
 logger = logging.getLogger(__name__)
 
 GC_HOLDER = "rank weight update"
+
+PARAMS_MOVED = (
+    "the rollout model's parameters changed since this layout was planned (a "
+    "parameter was re-allocated or re-viewed while no update's end and no sglang "
+    "weight load announced it)"
+)
+
+
+class ParametersMoved(WeightSyncError):
+    """A reused plan's targets are no longer the live parameters."""
+
+    def __init__(self, written: bool):
+        super().__init__(PARAMS_MOVED)
+        self.written = written
 # Refs whose tensor specs a rank keeps (_specs): the last few layouts' refs.
 MAX_KEPT_SPECS = 64
 
@@ -168,6 +183,32 @@ class RdtWeightReceiver:
         close_cached_mappings(keep_persistent=True)
         if resume_gc or gc_pause.held_for(GC_HOLDER) > gc_pause.MAX_HOLD_S:
             gc_pause.resume(GC_HOLDER)  # the collector runs again outside updates
+
+    def on_weights_loaded(self) -> None:
+        """sglang loaded weights its own way (``update_weights_from_*``): its
+        post-load processing may have replaced parameters, so the next pull
+        walks the model first (plans survive for the same parameter objects)."""
+        with self._lock:
+            self._plans.mark_stale()
+
+    def needs_refresh(self) -> bool:
+        """Whether the next pull would walk the model first (an update ended)."""
+        return self._plans.stale
+
+    def refresh(self) -> bool:
+        """Do now what the first pull after an update's end does before it
+        plans (scheduler thread): walk the model, keep the plans of
+        unreplaced parameters, bring the NIXL registrations onto the
+        parameters' storage. Run once the update's answer has left, it takes
+        that work off the next update's critical path (every plan is still
+        checked against its targets at each pull). Returns whether it walked."""
+        with self._lock:
+            if self._closed or self._weights_released:
+                return False
+            walked = self._plans.refresh()
+            if walked:
+                self._registration.after_walk()
+            return walked
 
     @staticmethod
     def release_gc() -> None:
@@ -298,8 +339,17 @@ class RdtWeightReceiver:
             specs = [self._specs(r, timeout_s) for r in refs]
             lap("metadata")
             names = group_names(param_names, [len(s) for s in specs])
-            plan, walked, reused = self._plans.plan(specs, names)
+            # Read over CUDA IPC, a reused plan's targets are checked against
+            # the live parameters while the copy engine works (check_live
+            # below), not before it starts: the check (~1 us a parameter)
+            # then costs nothing. The plan holds its targets' storage, so a
+            # copy into a target that stopped being live writes no other
+            # memory; the pull then fails and the rank reports itself
+            # inconsistent until an update lands.
+            defer = all(map(cuda_ipc_ref, refs))
+            plan, walked, reused = self._plans.plan(specs, names, check_live=not defer)
             targets = plan.targets
+            unchecked = defer and reused
             lap("plan")
             self._registration.sync_for_pull(targets, walked, reused)
             if not reused:
@@ -315,6 +365,12 @@ class RdtWeightReceiver:
 
             from ray.experimental import set_target_for_ref
 
+            def check_live(written: bool = True) -> None:
+                nonlocal unchecked
+                unchecked = False
+                if not plan.still_live():
+                    raise ParametersMoved(written)
+
             t1 = time.perf_counter()
             try:
                 # Same-node refs are read straight into their targets, NIXL
@@ -325,7 +381,8 @@ class RdtWeightReceiver:
                 results: List[Any] = [None] * len(refs)
                 rest, nixl = [], []
                 for i, (ref, ts) in enumerate(zip(refs, targets)):
-                    got = fetch_same_node(ref, ts)
+                    # (the first read that starts runs the check during its copy)
+                    got = fetch_same_node(ref, ts, while_copying=check_live if unchecked else None)
                     if got is not None:
                         results[i] = got
                         continue
@@ -334,6 +391,8 @@ class RdtWeightReceiver:
                         rest.append(i)
                     else:
                         nixl.append((i, job))
+                if unchecked and (nixl or rest):
+                    check_live(written=False)  # before another path writes anything
                 if nixl:
                     read = compat.nixl_read([job for _, job in nixl], timeout_s)
                     for (i, _), got in zip(nixl, read):
@@ -349,6 +408,12 @@ class RdtWeightReceiver:
                     for i, got in zip(rest, fetched):
                         results[i] = got
             except BaseException as e:
+                if isinstance(e, ParametersMoved) and not e.written:
+                    self._forget_params()  # planned afresh by the next pull
+                    raise WeightSyncError(
+                        f"{PARAMS_MOVED}; nothing was written. Send the pull again: "
+                        "it is planned against the parameters as they are now"
+                    ) from None
                 reason = (
                     f"a pull of {ntensors} tensors failed mid-transfer after "
                     f"{time.perf_counter() - t1:.2f} s ({type(e).__name__}); some "

@@ -77,11 +77,12 @@ def ref_tensor_specs(ref, timeout_s: float) -> List[TensorSpec]:
     return [TensorSpec.of(entry) for entry in transport_meta.tensor_meta]
 
 
-def fetch_same_node(ref, targets, copy: bool = True) -> Optional[List[Any]]:
+def fetch_same_node(ref, targets, copy: bool = True, while_copying=None) -> Optional[List[Any]]:
     """Fetch an ``SGLANG_IPC`` ref into ``targets`` over the same-node path
     directly (no ``ray.get``); None when that path does not serve it here
     (``SGLANG_RDT_DIRECT_FETCH=0``: never). ``copy=False``: open what the
-    fetch needs, write nothing."""
+    fetch needs, write nothing. ``while_copying``: see
+    :meth:`SglangIpcTransport.fetch_same_node`."""
     from sglang.srt.environ import envs
 
     if not envs.SGLANG_RDT_DIRECT_FETCH.get():
@@ -94,7 +95,20 @@ def fetch_same_node(ref, targets, copy: bool = True) -> Optional[List[Any]]:
     from sglang.srt.ray.rdt.transport import sglang_ipc
 
     return sglang_ipc.transport().fetch_same_node(ref.hex(), meta.tensor_transport_meta, targets,
-                                                  copy=copy)
+                                                  copy=copy, while_copying=while_copying)
+
+
+def cuda_ipc_ref(ref) -> bool:
+    """Whether a pull reads ``ref`` with :func:`fetch_same_node` over CUDA IPC
+    when this node can: an ``SGLANG_IPC`` ref of GPU tensors (and direct
+    fetches are on)."""
+    from sglang.srt.environ import envs
+
+    meta = compat.rdt_metadata(ref)
+    if meta is None or meta.tensor_transport_backend.upper() != SGLANG_IPC:
+        return False
+    return (getattr(meta.tensor_transport_meta, "ipc", None) is not None
+            and envs.SGLANG_RDT_DIRECT_FETCH.get())
 
 
 def nixl_job(ref, targets):

@@ -205,6 +205,15 @@ class ParameterRegistration:
         book = self.book
         if not walked and (reused or all(book.covers(t) for ts in targets for t in ts)):
             return
+        self.after_walk()
+
+    def after_walk(self) -> None:
+        """Bring the registrations onto every parameter's current storage
+        (after a walk of the model: post-load processing may have
+        re-allocated any of them)."""
+        if not self.wanted or self.book is None:
+            return
+        book = self.book
         params = self._plans.params if self._plans.params is not None else self._get_params()
         layout = [(p.data_ptr(), p.numel()) for p in params.values()]
         if layout != self._layout:

@@ -231,9 +231,10 @@ class CmaPath:
                 self._reader = CmaReader()
             return self._reader
 
-    def receive(self, meta, targets, info, copy: bool = True):
+    def receive(self, meta, targets, info, copy: bool = True, while_copying=None):
         """Read ``meta``'s tensors into ``targets``; ``copy=False``: only check
-        that they can be read (nothing is written)."""
+        that they can be read (nothing is written). ``while_copying()`` runs
+        just before the (synchronous) reads."""
         import torch
 
         from sglang.srt.ray.rdt.transport.copy_plan import plan_copies
@@ -265,6 +266,8 @@ class CmaPath:
             raise MappingFailed(why)
         if not copy:
             return tensors
+        if while_copying is not None:
+            while_copying()
         t1 = time.perf_counter()
         try:
             reader.read(cma.pid, copies)

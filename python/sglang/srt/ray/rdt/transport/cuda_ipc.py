@@ -181,9 +181,12 @@ class CudaIpcPath:
             ]
         return streams
 
-    def receive(self, meta: SglangIpcTransportMetadata, targets, info: FetchInfo, copy: bool = True):
+    def receive(self, meta: SglangIpcTransportMetadata, targets, info: FetchInfo, copy: bool = True,
+                while_copying=None):
         """Copy ``meta``'s tensors into ``targets``; ``copy=False``: only map
-        the sender's segments and plan the copies (kept for the next fetch)."""
+        the sender's segments and plan the copies (kept for the next fetch).
+        ``while_copying()`` runs once the copies are launched, while the copy
+        engine works; what it raises is raised after the copies finished."""
         import torch
 
         ipc = meta.ipc
@@ -226,9 +229,17 @@ class CudaIpcPath:
                 t1 = time.perf_counter()
                 self._launch(plan, engine_ord, dst_ord, method, info)
                 cache.used(plan, ipc.sender)  # bookkeeping while the copy engine works
+                failed = None
+                if while_copying is not None:
+                    try:
+                        while_copying()
+                    except BaseException as e:  # raised once no copy is in flight
+                        failed = e
                 for s in plan.streams:
                     s.synchronize()  # host-side: no cross-GPU event wait
                 info.copy_seconds = time.perf_counter() - t1
+                if failed is not None:
+                    raise failed
             else:
                 cache.used(plan, ipc.sender)
             if not cache.enabled:

@@ -266,7 +266,8 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
         self._done(info)
         return out
 
-    def fetch_same_node(self, obj_id: str, meta, targets, copy: bool = True) -> Optional[List[Any]]:
+    def fetch_same_node(self, obj_id: str, meta, targets, copy: bool = True,
+                        while_copying=None) -> Optional[List[Any]]:
         """Read a ref straight into ``targets`` when the same-node path (CUDA
         IPC or process_vm_readv) serves it here, without Ray's fetch around it
         (``ray.get`` costs ~0.5-1 ms per call: the placeholder's round trip to
@@ -275,7 +276,9 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
         the caller then uses ``ray.get``, which takes the NIXL fall-back).
         Raises on a read that broke after it started. ``copy=False``: only
         open what the read needs (CUDA IPC mappings, copy plan; a check of
-        process_vm_readv rights) and write nothing."""
+        process_vm_readv rights) and write nothing. ``while_copying()``: run
+        once the read started (CUDA IPC: while the copy engine works; CPU:
+        just before the reads), only if this path serves the ref."""
         if not isinstance(meta, SglangIpcTransportMetadata) or not meta.tensor_meta or not targets:
             return None
         path = self.cma if meta.cma is not None else self.cuda_ipc
@@ -285,7 +288,7 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
         t0 = time.perf_counter()
         info = FetchInfo(obj_id=obj_id, path=name)
         try:
-            out = path.receive(meta, targets, info, copy=copy)
+            out = path.receive(meta, targets, info, copy=copy, while_copying=while_copying)
         except MappingFailed:
             return None  # refused before any byte moved
         info.seconds = time.perf_counter() - t0

@@ -51,6 +51,7 @@ from sglang.srt.ray.rdt.trainer.buckets import plan_steps
 from sglang.srt.ray.rdt.trainer.payloads import (
     LayoutCheck,
     NamedTensors,
+    Signatures,
     normalize,
     split_payloads,
     tensor_item,
@@ -189,6 +190,7 @@ class WeightSyncClient:
         self._statuses: Optional[List[Dict[str, Any]]] = None
         self._direct_used = False  # ranks may hold mappings of the trainer's tensors
         self._direct_refs = direct.DirectRefs()  # the last zero-copy update's refs
+        self._signatures = Signatures()  # the last update's tensors, per rank group
         self._checked = LayoutCheck()  # per rank group: the last layout that passed
         self._in_place = direct.InPlaceCheck()  # the last tensors read in place
         self._trainer_gpu: Optional[tuple] = None

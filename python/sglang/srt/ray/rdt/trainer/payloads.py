@@ -75,7 +75,24 @@ def signature(payload: Mapping[str, torch.Tensor]) -> tuple:
     ones it saw last time: names, addresses, shapes, dtypes, strides (one
     pass; the layout check, the in-place checks and the kept ref of a
     zero-copy update all compare it)."""
-    return tuple((n, t.data_ptr(), t.shape, t.dtype, t.stride()) for n, t in payload.items())
+    return tuple([(n, t.data_ptr(), t.shape, t.dtype, t.stride()) for n, t in payload.items()])
+
+
+class Signatures:
+    """The last update's signatures: an equal one is replaced by the object
+    seen before, so every later comparison with a cached copy (layout check,
+    in-place check, kept ref) is a pointer comparison per tensor instead of a
+    field-by-field one."""
+
+    def __init__(self):
+        self._last: List[tuple] = []
+
+    def intern(self, sigs: List[tuple]) -> List[tuple]:
+        last = self._last
+        out = [old if g < len(last) and (old := last[g]) == sig else sig
+               for g, sig in enumerate(sigs)]
+        self._last = out
+        return out
 
 
 def layout_of(sig: tuple) -> tuple:

@@ -29,7 +29,8 @@ def run_update(client, named_tensors, version: Optional[str], bucket_bytes: Opti
     t_call = time.perf_counter()
     version = None if version is None else str(version)
     payloads, groups = split_payloads(named_tensors, len(client.ranks))
-    sigs = [signature(payloads[g[0]]) for g in groups]  # one pass over the tensors
+    # One pass over the tensors; equal to the last update's: the same objects.
+    sigs = client._signatures.intern([signature(payloads[g[0]]) for g in groups])
     items_per_group = client._checked.items_per_group(
         payloads, groups, client.parameter_layouts(), [r.label() for r in client.ranks], strict,
         sigs,

@@ -12,12 +12,14 @@ import pickle
 import subprocess
 import time
 
+import socket
+
 import pytest
-import zmq
 
 from sglang.srt.ray.rdt.defaults import LANE_NOT_HELD as NOT_HELD
 from sglang.srt.ray.rdt.engine.local_lane import RankLane
 from sglang.srt.ray.rdt.errors import WeightSyncError, WeightsInconsistentError
+from sglang.srt.ray.rdt.lane_wire import recv_frame, send_frame
 from sglang.srt.ray.rdt.trainer.lane import LaneCall, RankGone, RankLink
 
 
@@ -92,28 +94,29 @@ def test_a_wrong_secret_is_denied_without_unpickling_the_request(lane, tmp_path)
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
     sock.connect(lane.info["address"])
     try:
-        sock.send_multipart([b"x" * 16, b"\x01", pickle.dumps(("pull_weights", Evil()))])
-        assert sock.poll(10_000)
-        req_id, data = sock.recv_multipart()
-        assert req_id == b"\x01"
-        assert pickle.loads(data) == ("error", "denied", "wrong lane secret")
+        send_frame(sock, b"x" * 16, b"\x01" * 8, pickle.dumps(("pull_weights", Evil())))
+        body = recv_frame(sock)
+        assert body[:8] == b"\x01" * 8
+        assert pickle.loads(body[8:]) == ("error", "denied", "wrong lane secret")
+        # Not a frame of ours (too short to hold the secret): the lane hangs up.
+        send_frame(sock, b"short")
+        assert recv_frame(sock) is None
     finally:
-        sock.close(linger=0)
+        sock.close()
     assert not marker.exists() and lane.calls_seen == []
-    assert os.stat(os.path.dirname(lane.info["address"][len("ipc://"):])).st_mode & 0o077 == 0
+    assert os.stat(os.path.dirname(lane.info["address"])).st_mode & 0o077 == 0
 
 
 def test_a_rank_whose_process_is_gone_fails_the_call_at_once(tmp_path):
     # A socket that never answers, and a "rank" pid that has exited.
-    ctx = zmq.Context.instance()
-    silent = ctx.socket(zmq.ROUTER)
-    silent.setsockopt(zmq.LINGER, 0)
-    address = f"ipc://{tmp_path}/silent"
+    address = str(tmp_path / "silent")
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent.bind(address)
+    silent.listen(4)
     proc = subprocess.Popen(["sleep", "60"])
     link = RankLink(address, b"s" * 16, proc.pid)
     try:
@@ -130,13 +133,24 @@ def test_a_rank_whose_process_is_gone_fails_the_call_at_once(tmp_path):
             slow = RankLink(address, b"s" * 16, alive.pid)
             with pytest.raises(TimeoutError, match="no answer on the call lane within the timeout"):
                 slow.send("ping", {}).result(0.5)
+            # A rank whose lane connection closes (its process exited) is named
+            # as soon as the connection ends.
+            conn, _ = silent.accept()
+            conn, _ = silent.accept()  # the second link's
+            call = slow.send("ping", {})
+            conn.close()
+            t0 = time.monotonic()
+            with pytest.raises(RankGone, match=r"exited during the call, or closed its lane \(the "
+                               "connection ended"):
+                call.result(120)
+            assert time.monotonic() - t0 < 5
             slow.close()
         finally:
             alive.kill()
             alive.wait()
     finally:
         link.close()
-        silent.close(linger=0)
+        silent.close()
 
 
 def test_a_dead_ranks_lane_directory_is_removed_by_the_next_lane(tmp_path):
@@ -163,7 +177,7 @@ def test_a_dead_ranks_lane_directory_is_removed_by_the_next_lane(tmp_path):
 
 
 def test_close_stops_serving_and_removes_the_socket(lane):
-    path = lane.info["address"][len("ipc://"):]
+    path = lane.info["address"]
     assert os.path.exists(path)
     lane.close()
     assert not os.path.exists(os.path.dirname(path))

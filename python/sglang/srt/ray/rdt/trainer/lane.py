@@ -4,7 +4,7 @@ Every update after the first sends the ranks refs they have read before: a
 zero-copy update its kept ref (the trainer's tensors did not move), a bucket
 update the kept refs of its buckets (``BucketSender``). To a rank on this node
 such a ``pull_weights`` goes over the rank's lane
-(:mod:`sglang.srt.ray.rdt.engine.local_lane`: a Unix socket, ~60 us a round
+(:mod:`sglang.srt.ray.rdt.engine.local_lane`: a Unix socket, ~45 us a round
 trip) instead of a Ray actor call (~2.5 ms on an H200 host): the rank runs the
 same pull. Everything else — the first pull of a new ref, every other call,
 ranks on other nodes — stays a Ray actor call. Which refs a rank holds is
@@ -26,6 +26,12 @@ import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from sglang.srt.ray.rdt.defaults import LANE_NOT_HELD
+from sglang.srt.ray.rdt.lane_wire import (
+    FRAME_TIMEOUT_S,
+    ID_BYTES,
+    recv_frame,
+    send_frame,
+)
 from sglang.srt.ray.rdt.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -104,40 +110,50 @@ class LaneCall:
 
 
 class RankLink:
-    """The trainer's socket to one rank's lane."""
+    """The trainer's connection to one rank's lane."""
 
     def __init__(self, address: str, secret: bytes, pid: int):
-        import zmq
+        import socket
 
         self.address, self._secret, self.pid = address, secret, int(pid)
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(FRAME_TIMEOUT_S)  # connect, and a started answer must finish
         self._sock.connect(address)
         self._next = 0
         self._early: Dict[bytes, Any] = {}  # replies read while waiting for another
 
     def send(self, op: str, kwargs: Dict[str, Any], fallback: Optional[Callable[[], Any]] = None) -> LaneCall:
         self._next += 1
-        req_id = self._next.to_bytes(8, "little")
-        self._sock.send_multipart([self._secret, req_id, pickle.dumps((op, kwargs))])
+        req_id = self._next.to_bytes(ID_BYTES, "little")
+        send_frame(self._sock, self._secret, req_id, pickle.dumps((op, kwargs)))
         return LaneCall(self, req_id, fallback)
 
     def receive(self, req_id: bytes, deadline: float):
+        import select
+
         while req_id not in self._early:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
                     f"no answer on the call lane within the timeout (is the scheduler of "
                     f"pid {self.pid} stuck?)")
-            if self._sock.poll(int(min(left, LIVENESS_CHECK_S) * 1000) + 1):
-                got_id, data = self._sock.recv_multipart()
-                self._early[got_id] = pickle.loads(data)
+            if select.select([self._sock], [], [], min(left, LIVENESS_CHECK_S))[0]:
+                try:
+                    body = recv_frame(self._sock)
+                except (OSError, ConnectionError) as e:  # reset, or cut in a frame
+                    body, why = None, f" ({type(e).__name__}: {e})"
+                else:
+                    why = ""
+                if body is None:
+                    raise RankGone(f"the rank's process (pid {self.pid}) exited during the call, "
+                                   f"or closed its lane (the connection ended{why})")
+                self._early[body[:ID_BYTES]] = pickle.loads(body[ID_BYTES:])
             elif not _pid_alive(self.pid):
                 raise RankGone(f"the rank's process (pid {self.pid}) exited during the call")
         return self._early.pop(req_id)
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._sock.close()
 
 
 class Lanes:

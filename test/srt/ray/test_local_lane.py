@@ -69,28 +69,6 @@ def test_a_lane_call_runs_the_ranks_pull_on_a_held_ref_and_returns_its_result(la
         link.close()
 
 
-def test_a_call_without_names_uses_the_names_the_ref_was_read_with(lane):
-    ref = FakeRef("ef" * 20)
-    lane._held["trainer-a"] = {ref.hex(): ref}
-    link = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
-    try:
-        # No names kept for the ref (e.g. read in a pull of several refs):
-        # refused before anything runs, so the trainer sends them through Ray.
-        call = link.send("pull_weights", {"ref_ids": [ref.hex()], "names": None})
-        with pytest.raises(WeightSyncError, match=rf"refused the call \({NOT_HELD}\): this rank does "
-                           "not know the names"):
-            call.result(10)
-        assert lane.calls_seen == []
-        lane._names[ref.hex()] = ["w", "b"]  # what keep() records after a one-ref read
-        out = link.send("pull_weights", {"ref_ids": [ref.hex()], "names": None}).result(10)
-        assert out["tensors"] == 2 and lane.calls_seen[0][1] == ["w", "b"]
-        # Let go with the ref at the end of an update that did not read it.
-        lane.end_of_update()
-        assert lane._names == {} and lane.status()["held_refs"] == 0
-    finally:
-        link.close()
-
-
 def test_a_ref_the_rank_does_not_hold_is_refused_before_anything_runs(lane):
     link = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
     try:

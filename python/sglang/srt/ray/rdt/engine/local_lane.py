@@ -100,7 +100,6 @@ class RankLane:
         self._senders: set = set()  # trainer processes that opened the lane
         self._held: Dict[str, Dict[str, Any]] = {}  # sender -> {ref hex: ref}
         self._read: Dict[str, set] = {}  # sender -> hex of the refs read since the last update end
-        self._names: Dict[str, List[str]] = {}  # ref hex -> the names its last read used
         self._secret = secrets.token_bytes(16)
         self._dir: Optional[str] = None
         self._address: Optional[str] = None
@@ -139,11 +138,9 @@ class RankLane:
                                         daemon=True)
         self._thread.start()
 
-    def keep(self, refs: Sequence[Any], names=None) -> None:
-        """After a read (pull or prepare) with ``names``: keep the same-node
-        refs of a sender that opened a lane, until the end of an update that
-        did not read them, and the names a one-ref read used (a lane call may
-        then say "the same names" instead of sending them)."""
+    def keep(self, refs: Sequence[Any]) -> None:
+        """After a read (pull or prepare): keep the same-node refs of a sender
+        that opened a lane, until the end of an update that did not read them."""
         if not self._senders:
             return
         from sglang.srt.ray.rdt.engine.refs import same_node_sender
@@ -152,21 +149,13 @@ class RankLane:
                 if (sender := same_node_sender(ref)) is not None and sender in self._senders]
         if not kept:
             return
-        one = None
-        if len(refs) == 1 and names is not None and len(names) > 0:
-            one = list(names[0]) if not isinstance(names[0], str) else list(names)
         with self._lock:
             for sender, ref in kept:
                 held = self._held.setdefault(sender, {})
                 if len(held) >= MAX_HELD_PER_SENDER and ref.hex() not in held:
-                    self._names.pop(next(iter(held)), None)
                     held.pop(next(iter(held)))  # the oldest
                 held[ref.hex()] = ref
                 self._read.setdefault(sender, set()).add(ref.hex())
-                if one is not None:
-                    self._names[ref.hex()] = one
-                else:
-                    self._names.pop(ref.hex(), None)
 
     def end_of_update(self) -> None:
         """An update ended: let go of the refs it did not read."""
@@ -175,8 +164,6 @@ class RankLane:
                 read = self._read.get(sender, set())
                 self._held[sender] = {h: r for h, r in held.items() if h in read}
             self._read.clear()
-            live = {h for held in self._held.values() for h in held}
-            self._names = {h: n for h, n in self._names.items() if h in live}
 
     def release(self, sender: Optional[str] = None) -> int:
         """Drop the refs held for ``sender`` (every sender: None)."""
@@ -185,13 +172,9 @@ class RankLane:
                 n = sum(len(h) for h in self._held.values())
                 self._held.clear()
                 self._read.clear()
-                self._names.clear()
             else:
-                dropped = self._held.pop(str(sender), {})
-                n = len(dropped)
+                n = len(self._held.pop(str(sender), {}))
                 self._read.pop(str(sender), None)
-                for h in dropped:
-                    self._names.pop(h, None)
         return n
 
     def resolve(self, ref_ids: Sequence[str]) -> List[Any]:
@@ -280,13 +263,8 @@ class RankLane:
             if op == "ping":
                 return ("ok", {"pid": os.getpid()})
             refs = self.resolve(kwargs["ref_ids"])
-            names = kwargs["names"]
-            if names is None:  # "the names this ref was last read with"
-                with self._lock:
-                    names = self._names.get(kwargs["ref_ids"][0]) if len(refs) == 1 else None
-                if names is None:
-                    raise RefNotHeld("this rank does not know the names the ref was read with")
-            return ("ok", self._pull(refs, names, kwargs.get("timeout"), kwargs.get("finalize")))
+            return ("ok", self._pull(refs, kwargs["names"], kwargs.get("timeout"),
+                                     kwargs.get("finalize")))
         except RefNotHeld as e:
             return ("error", LANE_NOT_HELD, str(e))
         except BaseException as e:

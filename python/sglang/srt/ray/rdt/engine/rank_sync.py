@@ -159,7 +159,7 @@ class RankWeightSync:
                 out = self.receiver.pull(refs, names, timeout)
                 landed = True
                 if self.lane is not None:
-                    self.lane.keep(refs, names)
+                    self.lane.keep(refs)
                 if end is not None:
                     t0 = time.perf_counter()
                     self._folding = True  # the answer leaves from the caller's thread
@@ -209,7 +209,7 @@ class RankWeightSync:
         thread; no pause needed): :meth:`RdtWeightReceiver.prepare`."""
         out = self.on_scheduler(lambda: self.receiver.prepare(refs, names))
         if self.lane is not None:
-            self.lane.keep(refs, names)
+            self.lane.keep(refs)
         return out
 
     def begin(self) -> Dict[str, Any]:

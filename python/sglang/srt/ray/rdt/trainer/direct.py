@@ -212,8 +212,8 @@ def run_direct(
         settle(calls, wait_s)
         raise
     run.lane_calls = sum(isinstance(c, LaneCall) for _, c in calls)
-    for r, ref, ns in sends:
-        lanes.held(r, ref, ns)
+    for r, ref, _ in sends:
+        lanes.held(r, ref)
     run.transfer_seconds = time.perf_counter() - t_transfer + put_seconds
     for r, _ in calls:
         for t in str(results[r].get("transport") or "").split(","):

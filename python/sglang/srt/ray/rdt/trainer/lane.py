@@ -166,7 +166,6 @@ class Lanes:
         self.links: Dict[int, RankLink] = {}
         self._held: Dict[int, set] = {}  # rank -> hex of the refs it holds
         self._read: Dict[int, set] = {}  # rank -> hex of the refs it read in this update
-        self._names: Dict[tuple, list] = {}  # (rank, ref hex) -> the names it was read with
 
     def open(self, ranks, statuses: Sequence[Dict[str, Any]], call_timeout_s: float) -> None:
         """Open a lane to every rank on this process's node (once). A rank
@@ -197,21 +196,16 @@ class Lanes:
                 logger.warning("[RDT] no call lane to %s (%s: %s); pulls go through Ray",
                                r.label(), type(e).__name__, str(e).splitlines()[0][:200])
 
-    def held(self, rank: int, ref, names=None) -> None:
-        """``rank`` read ``ref`` (with ``names``): it holds it until an update
-        ends that does not read it, and remembers the names (a lane call of
-        the same ref with the same names need not send them again)."""
+    def held(self, rank: int, ref) -> None:
+        """``rank`` read ``ref``: it holds it until an update ends that does not read it."""
         if self.links:
             self._held.setdefault(rank, set()).add(ref.hex())
             self._read.setdefault(rank, set()).add(ref.hex())
-            if names is not None:
-                self._names[(rank, ref.hex())] = names
 
     def update_ended(self) -> None:
         """The ranks' rule at an update's end: refs the update did not read are let go."""
         self._held = {r: self._read.get(r, set()) & held for r, held in self._held.items()}
         self._read = {}
-        self._names = {k: v for k, v in self._names.items() if k[1] in self._held.get(k[0], ())}
 
     def pull(self, rank, ref, names, timeout, extra: Dict[str, Any]):
         """``rank.actor.pull_weights.remote([ref], names, timeout, **extra)``,
@@ -221,20 +215,14 @@ class Lanes:
             return rank.actor.pull_weights.remote([ref], names, timeout, **extra)
 
         link = self.links.get(rank.index)
-        key = ref.hex()
-        if link is None or key not in self._held.get(rank.index, ()):
+        if link is None or ref.hex() not in self._held.get(rank.index, ()):
             return through_ray()
-        # The names the rank read this ref with last time: it has them
-        # (None: "the same"; it refuses the call if it does not, and the
-        # call goes through Ray with the names).
-        same = self._names.get((rank.index, key)) == names
-        return link.send("pull_weights", {"ref_ids": [key], "names": None if same else names,
+        return link.send("pull_weights", {"ref_ids": [ref.hex()], "names": names,
                                           "timeout": timeout, **extra}, fallback=through_ray)
 
     def forget(self) -> None:
         self._held.clear()
         self._read.clear()
-        self._names.clear()
 
     def close(self) -> None:
         for link in self.links.values():

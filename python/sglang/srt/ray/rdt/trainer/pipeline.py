@@ -38,7 +38,7 @@ class Flight:
     refs: List[Any]
     fill_seconds: float
     pulls: List[Tuple[int, Any]] = field(default_factory=list)  # (rank, ObjectRef or LaneCall)
-    pulled: List[Any] = field(default_factory=list)  # (ref, names) each of those pulls reads
+    pulled: List[Any] = field(default_factory=list)  # the ref each of those pulls reads
 
 
 @dataclass
@@ -64,9 +64,8 @@ def prepare_pulls(ranks: Sequence[RankInfo], sends, gather, lanes: Lanes, phase:
     calls = [(r, ref, ranks[r].actor.prepare_pull_weights.remote([ref], names))
              for ref, names, group in sends for r in group]
     gather([(r, call) for r, _, call in calls], phase, timeout_s)
-    names_of = {id(ref): names for ref, names, _ in sends}
     for r, ref, _ in calls:
-        lanes.held(r, ref, names_of[id(ref)])
+        lanes.held(r, ref)
     return len(calls)
 
 
@@ -160,7 +159,7 @@ class BucketPipeline:
             names = region.bucket.names
             for r in groups[region.group]:
                 flight.pulls.append((r, self.lanes.pull(self.ranks[r], ref, names, pull_timeout, {})))
-                flight.pulled.append((ref, names))
+                flight.pulled.append(ref)
 
     def _land(self, run: PipelineRun, flight: Flight, wait_s: float,
               progress: Optional[Progress]) -> None:
@@ -169,8 +168,8 @@ class BucketPipeline:
         # Every rank's pull of this slot returned: it may be written again.
         self.sender_call("release", flight.slot, flight.token)
         del run.flights[flight.slot]
-        for (r, call), (ref, names) in zip(flight.pulls, flight.pulled):
-            self.lanes.held(r, ref, names)
+        for (r, call), ref in zip(flight.pulls, flight.pulled):
+            self.lanes.held(r, ref)
             run.lane_calls += isinstance(call, LaneCall)
         rank_seconds = [float(results[r].get("seconds", 0.0)) for r, _ in flight.pulls]
         for r, _ in flight.pulls:

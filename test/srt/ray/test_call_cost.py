@@ -185,7 +185,7 @@ def ipc_pulls(monkeypatch):
             t.fill_(7.0)
         if while_copying is not None:
             events.append("check")
-            while_copying()
+            while_copying(True)
         return list(targets)
 
     monkeypatch.setattr(receiver_mod, "cuda_ipc_ref", lambda ref: True)
@@ -226,6 +226,23 @@ def test_over_cuda_ipc_a_reused_plan_is_checked_while_the_copy_runs(ipc_pulls):
     assert p.pull()["plan_reused"] is False
     p.recv.state.end()
     assert p.recv.state.consistent is True  # a complete update landed
+
+
+def test_a_parameter_post_load_moved_is_planned_afresh_not_written_into(ipc_pulls):
+    """Post-load processing may give a parameter new storage (same object):
+    the walk after the update's end checks the plans — ahead of the next
+    update, or in its first pull — so the copy goes to the new storage."""
+    p = ipc_pulls
+    p.pull()
+    for ahead in (False, True):
+        p.recv.end_of_update()  # post-load ran ...
+        p.model.weight.data = p.model.weight.data.clone()  # ... and moved the weight's storage
+        if ahead:
+            assert p.recv.refresh() is True  # at the loop's safe point, once the answer left
+        out = p.pull()
+        assert out["plan_reused"] is False and p.events == ["launch"], ahead
+        assert torch.equal(p.model.weight, torch.full((4, 4), 7.0))
+        assert p.recv.state.consistent is True
 
 
 def test_a_moved_plan_found_before_another_path_writes_writes_nothing(ipc_pulls):

@@ -153,6 +153,54 @@ def test_a_rank_whose_process_is_gone_fails_the_call_at_once(tmp_path):
         silent.close()
 
 
+def test_a_client_stalling_in_a_frame_is_cut_off_and_others_are_served(lane, monkeypatch):
+    from sglang.srt.ray.rdt import lane_wire
+
+    monkeypatch.setattr(lane_wire, "FRAME_TIMEOUT_S", 0.3)
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stalled.settimeout(10)
+    stalled.connect(lane.info["address"])
+    try:
+        stalled.sendall(lane_wire.FRAME.pack(1000) + b"x" * 10)  # ... and nothing more
+        t0 = time.monotonic()
+        assert recv_frame(stalled, timeout_s=10) is None  # the lane hung up on it
+        assert time.monotonic() - t0 < 5
+        link = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
+        try:
+            assert link.send("ping", {}).result(10) == {"pid": os.getpid()}
+        finally:
+            link.close()
+    finally:
+        stalled.close()
+
+
+def test_a_broken_lane_is_dropped_and_pulls_go_through_ray(lane):
+    from types import SimpleNamespace
+
+    from sglang.srt.ray.rdt.trainer.lane import Lanes
+
+    ref = FakeRef("ab" * 20)
+    through_ray = []
+    actor = SimpleNamespace(pull_weights=SimpleNamespace(
+        remote=lambda refs, names, timeout, **kw: through_ray.append(names) or "ray-call"))
+    rank = SimpleNamespace(index=0, actor=actor, label=lambda: "rank 0")
+    lanes = Lanes()
+    lanes.links[0] = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
+    lanes.held(0, ref)
+    lane._held["trainer-a"] = {ref.hex(): ref}
+    call = lanes.pull(rank, ref, ["w"], None, {})
+    assert isinstance(call, LaneCall) and call.result(10)["tensors"] == 1
+    lane.close()  # the rank's lane goes away (its process lives on)
+    call = lanes.pull(rank, ref, ["w"], None, {})
+    if isinstance(call, LaneCall):  # the request left before the close was seen
+        with pytest.raises(RankGone, match="closed its lane"):
+            call.result(10)
+        call = lanes.pull(rank, ref, ["w"], None, {})
+    assert call == "ray-call" and through_ray == [["w"]]
+    assert 0 not in lanes.links  # later pulls do not try the lane again
+    assert lanes.pull(rank, ref, ["w"], None, {}) == "ray-call"
+
+
 def test_a_dead_ranks_lane_directory_is_removed_by_the_next_lane(tmp_path):
     """A killed rank cannot remove its socket directory; the next lane that
     starts on the host removes those of processes that are gone."""

@@ -218,21 +218,3 @@ def test_a_cached_copy_plan_is_used_only_while_every_mapping_it_points_into_is_o
     cache.keep_plan("k", CopyPlan(**{**plan.__dict__, "generation": cache.generation}))
     assert cache.plan("k", [0xD000], ipc) is None
 
-
-def test_a_ranks_target_list_is_read_once_per_list_object():
-    """A rank hands the same target list (its plan's views of the parameters)
-    to every pull of a layout: its device check and addresses are read once
-    per list object, and a new list is read anew."""
-    from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcPath
-
-    path = CudaIpcPath("token")
-    targets = [torch.zeros(4), torch.zeros(2)]
-    why, ptrs = path._target_facts(targets)
-    assert why == "target buffers on ['cpu']"
-    assert ptrs == [t.data_ptr() for t in targets]
-    assert path._target_facts(targets)[1] is ptrs  # the same list: not read again
-    other = [torch.zeros(3)]
-    assert path._target_facts(other)[1] == [other[0].data_ptr()]
-    for _ in range(70):  # bounded: old lists are let go
-        path._target_facts([torch.zeros(1)])
-    assert len(path._targets_seen) == 64 and id(targets) not in path._targets_seen

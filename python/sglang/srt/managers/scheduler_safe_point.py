@@ -200,7 +200,8 @@ class SafePointQueue:
         """Queue ``fn(scheduler)`` for the loop's next safe point without
         waiting for it: for work that must run on the scheduler thread but
         that nobody waits on (its result is dropped, an exception is logged).
-        Returns False when no loop runs to take it (not started or stopped)."""
+        Returns False when no loop runs to take it (not started or stopped);
+        work posted while the loop stops may be dropped without running."""
         if self._state != "running":
             return False
         fut: Future = Future()

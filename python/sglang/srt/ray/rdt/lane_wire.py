@@ -25,28 +25,45 @@ def send_frame(sock: socket.socket, *parts: bytes) -> None:
     sock.sendall(FRAME.pack(len(body)) + body)
 
 
-def recv_frame(sock: socket.socket) -> Optional[bytes]:
-    """One whole frame, or None when the peer closed the connection."""
-    head = _recv_exact(sock, FRAME.size)
+def recv_frame(sock: socket.socket, timeout_s: Optional[float] = None) -> Optional[bytes]:
+    """One whole frame, or None when the peer closed the connection before
+    it. Once its first byte is in, the whole frame must arrive within
+    ``timeout_s`` (default :data:`FRAME_TIMEOUT_S`; ``socket.timeout``
+    otherwise): a peer that stalls in the middle of a frame cannot hold the
+    reader."""
+    if timeout_s is None:
+        timeout_s = FRAME_TIMEOUT_S
+    head = _recv_exact(sock, FRAME.size, timeout_s)
     if head is None:
         return None
     (n,) = FRAME.unpack(head)
     if n > MAX_FRAME:
         raise ConnectionError(f"a {n}-byte frame on the call lane (at most {MAX_FRAME})")
-    body = _recv_exact(sock, n) if n else b""
+    if not n:
+        return b""
+    body = _recv_exact(sock, n, timeout_s)
     if body is None:
         raise ConnectionError("the call lane closed in the middle of a frame")
     return body
 
 
-def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
-    """``n`` bytes; None if the peer closed before the first one."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            if buf:
-                raise ConnectionError("the call lane closed in the middle of a frame")
-            return None
-        buf += chunk
+def _recv_exact(sock: socket.socket, n: int, timeout_s: float) -> Optional[bytes]:
+    """``n`` bytes within ``timeout_s``; None if the peer closed before the first one."""
+    import time
+
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    deadline = time.monotonic() + timeout_s
+    old = sock.gettimeout()
+    try:
+        while got < n:
+            sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            k = sock.recv_into(view[got:])
+            if not k:
+                if got:
+                    raise ConnectionError("the call lane closed in the middle of a frame")
+                return None
+            got += k
+    finally:
+        sock.settimeout(old)
     return bytes(buf)

@@ -64,6 +64,8 @@ DIR_PREFIX = "sglang-rdt-lane-"
 # Refs a rank holds per trainer process at most (a model's buckets, or one
 # zero-copy ref per update).
 MAX_HELD_PER_SENDER = 256
+
+
 def remove_dead_lanes(base: str) -> int:
     """Remove the lane directories under ``base`` of this user's processes
     that are gone (a killed rank cannot remove its own). Returns how many."""
@@ -191,7 +193,8 @@ class RankLane:
 
     def status(self) -> Dict[str, Any]:
         with self._lock:
-            return {"open": self._thread is not None and not self._stop.is_set(),
+            return {"open": (self._thread is not None and self._thread.is_alive()
+                             and not self._stop.is_set()),
                     "senders": len(self._senders),
                     "held_refs": sum(len(h) for h in self._held.values()),
                     "calls": self.calls}

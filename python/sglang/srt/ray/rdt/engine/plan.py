@@ -248,7 +248,8 @@ class PlanCache:
         self._plans.clear()
 
     def mark_stale(self) -> None:
-        self._stale = True
+        if self.params is not None:  # (no walk yet: the next pull walks anyway)
+            self._stale = True
 
     @property
     def stale(self) -> bool:
@@ -256,15 +257,18 @@ class PlanCache:
         return self._stale
 
     def refresh(self) -> bool:
-        """Walk the model again if an update's end asked for it, keeping the
-        plans only when the walk finds the same parameter objects. Returns
-        whether it walked."""
+        """Walk the model again if an update's end asked for it, keeping only
+        the plans whose parameters the walk finds as they were planned (the
+        same objects, storage and layout: post-load may swap a parameter's
+        ``.data``). Returns whether it walked."""
         if not self._stale:
             return False
         fresh = self._get_params()
         old, self._stale = self.params, False
         if old is None or fresh.keys() != old.keys() or any(fresh[n] is not old[n] for n in fresh):
             self._plans.clear()
+        else:
+            self._plans = {k: p for k, p in self._plans.items() if p.still_live()}
         self.params = fresh
         return True
 
@@ -277,14 +281,16 @@ class PlanCache:
     def plan(self, specs, names, check_live: bool = True) -> Tuple[CachedPlan, bool, bool]:
         """The plan of a pull (its targets, bytes and tensor count), whether
         the model was walked for it, and whether a plan was reused.
-        ``check_live=False``: a reused plan is returned without
-        :meth:`CachedPlan.still_live` — the caller checks it before its
-        writes can matter (receiver: while the copy engine works)."""
+        ``check_live=False``: a plan that :meth:`refresh` checked since the
+        last update's end is returned without :meth:`CachedPlan.still_live`
+        — the caller checks it before its writes can matter (receiver: while
+        the copy engine works); a refresh made now checks it here, so a
+        parameter that post-load moved is planned afresh, not written."""
         walked = self.refresh()
         key = (tuple(map(tuple, names)), tuple(map(tuple, specs)))
         plan = self._plans.get(key)
         if plan is not None:
-            if not check_live or plan.still_live():
+            if (not check_live and not walked) or plan.still_live():
                 return plan, walked, True
             self.forget()  # something moved under us: start over
         if self.params is None:

@@ -93,6 +93,7 @@ class RankWeightSync:
         )
         self.lane = None  # a RankLane once a trainer on this node opened one
         self._folding = False  # an update is ending inside a pull call
+        self._refresh_posted = False  # prepare_next_pull's walk is queued
 
     def open_lane(self, sender: str, pull=None) -> Dict[str, Any]:
         """The same-node call lane (:mod:`.local_lane`) for trainer process
@@ -201,8 +202,15 @@ class RankWeightSync:
         load replaced parameters), that walk runs at the scheduler's next
         safe point instead. The lane calls this once a pull's answer has
         left, so the work is off the critical path of both updates."""
-        if self.receiver.needs_refresh():
-            self.safe_point.post(lambda _scheduler: self.receiver.refresh())
+        if self.receiver.needs_refresh() and not self._refresh_posted:
+            self._refresh_posted = True  # one walk for several events in a row
+
+            def refresh(_scheduler):
+                self._refresh_posted = False
+                self.receiver.refresh()
+
+            if not self.safe_point.post(refresh):
+                self._refresh_posted = False
 
     def prepare(self, refs, names) -> Dict[str, Any]:
         """Check a pull and open what it reads from, writing nothing (scheduler

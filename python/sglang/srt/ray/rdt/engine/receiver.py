@@ -365,7 +365,7 @@ class RdtWeightReceiver:
 
             from ray.experimental import set_target_for_ref
 
-            def check_live(written: bool = True) -> None:
+            def check_live(written: bool) -> None:
                 nonlocal unchecked
                 unchecked = False
                 if not plan.still_live():

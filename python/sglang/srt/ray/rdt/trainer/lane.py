@@ -113,46 +113,61 @@ class RankLink:
     """The trainer's connection to one rank's lane."""
 
     def __init__(self, address: str, secret: bytes, pid: int):
+        import select
         import socket
 
         self.address, self._secret, self.pid = address, secret, int(pid)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(FRAME_TIMEOUT_S)  # connect, and a started answer must finish
-        self._sock.connect(address)
+        try:
+            self._sock.settimeout(FRAME_TIMEOUT_S)  # connect, and a frame once started
+            self._sock.connect(address)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._poll = select.poll()  # (select() fails on descriptors >= 1024)
+        self._poll.register(self._sock, select.POLLIN)
         self._next = 0
         self._early: Dict[bytes, Any] = {}  # replies read while waiting for another
+        # The connection failed: nothing more goes over it (the client then
+        # reaches the rank through Ray).
+        self.broken = False
 
     def send(self, op: str, kwargs: Dict[str, Any], fallback: Optional[Callable[[], Any]] = None) -> LaneCall:
         self._next += 1
         req_id = self._next.to_bytes(ID_BYTES, "little")
-        send_frame(self._sock, self._secret, req_id, pickle.dumps((op, kwargs)))
+        try:
+            send_frame(self._sock, self._secret, req_id, pickle.dumps((op, kwargs)))
+        except OSError:
+            self.broken = True  # (a frame cut short would garble every later one)
+            raise
         return LaneCall(self, req_id, fallback)
 
     def receive(self, req_id: bytes, deadline: float):
-        import select
-
         while req_id not in self._early:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
                     f"no answer on the call lane within the timeout (is the scheduler of "
                     f"pid {self.pid} stuck?)")
-            if select.select([self._sock], [], [], min(left, LIVENESS_CHECK_S))[0]:
+            if self._poll.poll(int(min(left, LIVENESS_CHECK_S) * 1000) + 1):
                 try:
                     body = recv_frame(self._sock)
-                except (OSError, ConnectionError) as e:  # reset, or cut in a frame
+                except (OSError, ConnectionError) as e:  # reset, stalled or cut in a frame
                     body, why = None, f" ({type(e).__name__}: {e})"
                 else:
                     why = ""
                 if body is None:
+                    self.broken = True
                     raise RankGone(f"the rank's process (pid {self.pid}) exited during the call, "
                                    f"or closed its lane (the connection ended{why})")
                 self._early[body[:ID_BYTES]] = pickle.loads(body[ID_BYTES:])
             elif not _pid_alive(self.pid):
+                self.broken = True
                 raise RankGone(f"the rank's process (pid {self.pid}) exited during the call")
         return self._early.pop(req_id)
 
     def close(self) -> None:
+        self.broken = True
         self._sock.close()
 
 
@@ -215,10 +230,27 @@ class Lanes:
             return rank.actor.pull_weights.remote([ref], names, timeout, **extra)
 
         link = self.links.get(rank.index)
+        if link is not None and link.broken:
+            self._drop(rank.index)
+            link = None
         if link is None or ref.hex() not in self._held.get(rank.index, ()):
             return through_ray()
-        return link.send("pull_weights", {"ref_ids": [ref.hex()], "names": names,
-                                          "timeout": timeout, **extra}, fallback=through_ray)
+        try:
+            return link.send("pull_weights", {"ref_ids": [ref.hex()], "names": names,
+                                              "timeout": timeout, **extra}, fallback=through_ray)
+        except OSError as e:  # nothing of the call reached the rank's pull
+            logger.warning("[RDT] the call lane to %s broke (%s: %s); pulls go through Ray",
+                           rank.label(), type(e).__name__, e)
+            self._drop(rank.index)
+            return through_ray()
+
+    def _drop(self, rank: int) -> None:
+        """Stop using ``rank``'s lane (its connection failed)."""
+        link = self.links.pop(rank, None)
+        if link is not None:
+            link.close()
+        self._held.pop(rank, None)
+        self._read.pop(rank, None)
 
     def forget(self) -> None:
         self._held.clear()

@@ -233,8 +233,8 @@ class CmaPath:
 
     def receive(self, meta, targets, info, copy: bool = True, while_copying=None):
         """Read ``meta``'s tensors into ``targets``; ``copy=False``: only check
-        that they can be read (nothing is written). ``while_copying()`` runs
-        just before the (synchronous) reads."""
+        that they can be read (nothing is written). ``while_copying(False)``
+        runs just before the (synchronous) reads: nothing is written yet."""
         import torch
 
         from sglang.srt.ray.rdt.transport.copy_plan import plan_copies
@@ -267,7 +267,7 @@ class CmaPath:
         if not copy:
             return tensors
         if while_copying is not None:
-            while_copying()
+            while_copying(False)
         t1 = time.perf_counter()
         try:
             reader.read(cma.pid, copies)

@@ -34,7 +34,6 @@ import bisect
 import logging
 import os
 import time
-from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 from sglang.srt.ray.rdt.transport import cuda_driver
@@ -72,30 +71,6 @@ class CudaIpcPath:
         self._exports: Dict[int, Dict[int, Tuple[int, Optional[int], bytes]]] = {}
         self._export_starts: Dict[int, List[int]] = {}
         self._ordinals: Dict[str, Optional[int]] = {}
-        # receiver: what receive() needs of a target list (its device, its
-        # addresses), kept for the list object a rank passes again each pull
-        self._targets_seen: "OrderedDict[int, tuple]" = OrderedDict()
-
-    def _target_facts(self, targets) -> Tuple[Optional[str], List[int]]:
-        """(why the targets cannot be CUDA IPC targets or None, their addresses).
-
-        A rank's pull plan hands the same list of the same target tensors
-        (its own views of the parameters, which nothing else re-points) to
-        every pull of a layout, so these are read once per list object; the
-        list is held here, so its id is not reused while the entry lives."""
-        seen = self._targets_seen.get(id(targets))
-        if seen is not None and seen[0] is targets:
-            self._targets_seen.move_to_end(id(targets))
-            return seen[1], seen[2]
-        devs = {t.device for t in targets}
-        why = None
-        if len(devs) != 1 or next(iter(devs)).type != "cuda":
-            why = f"target buffers on {sorted(map(str, devs))}"
-        facts = (targets, why, [t.data_ptr() for t in targets])
-        self._targets_seen[id(targets)] = facts
-        while len(self._targets_seen) > 64:
-            self._targets_seen.popitem(last=False)
-        return facts[1], facts[2]
 
     def ordinal(self, uuid_str: str) -> Optional[int]:
         """This process's index of the GPU ``uuid_str`` (None: not visible)."""
@@ -184,7 +159,9 @@ class CudaIpcPath:
                 "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 for the receiving actors)"
             )
         if targets:
-            return self._target_facts(targets)[0]
+            devs = {t.device for t in targets}
+            if len(devs) != 1 or next(iter(devs)).type != "cuda":
+                return f"target buffers on {sorted(map(str, devs))}"
         return None
 
     def copy_config(self, src_ord: int, dst_ord: int) -> Tuple[str, int]:
@@ -208,8 +185,9 @@ class CudaIpcPath:
                 while_copying=None):
         """Copy ``meta``'s tensors into ``targets``; ``copy=False``: only map
         the sender's segments and plan the copies (kept for the next fetch).
-        ``while_copying()`` runs once the copies are launched, while the copy
-        engine works; what it raises is raised after the copies finished."""
+        ``while_copying(True)`` runs once the copies are launched (bytes are
+        being written), while the copy engine works; what it raises is raised
+        after the copies finished."""
         import torch
 
         ipc = meta.ipc
@@ -223,7 +201,7 @@ class CudaIpcPath:
                 f"Length of tensor_buffers ({len(tensors)}) does not match length from "
                 f"object metadata ({len(ipc.tensors)})."
             )
-        dst_ptrs = self._target_facts(targets)[1] if targets else [t.data_ptr() for t in tensors]
+        dst_ptrs = [t.data_ptr() for t in tensors]
         dst_ord = tensors[0].device.index
         src_ord = self.ordinal(ipc.device_uuid)
         engine_ord = src_ord if self.engine == "src" else dst_ord
@@ -255,7 +233,7 @@ class CudaIpcPath:
                 failed = None
                 if while_copying is not None:
                     try:
-                        while_copying()
+                        while_copying(True)
                     except BaseException as e:  # raised once no copy is in flight
                         failed = e
                 for s in plan.streams:

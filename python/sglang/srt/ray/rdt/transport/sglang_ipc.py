@@ -276,9 +276,10 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
         the caller then uses ``ray.get``, which takes the NIXL fall-back).
         Raises on a read that broke after it started. ``copy=False``: only
         open what the read needs (CUDA IPC mappings, copy plan; a check of
-        process_vm_readv rights) and write nothing. ``while_copying()``: run
-        once the read started (CUDA IPC: while the copy engine works; CPU:
-        just before the reads), only if this path serves the ref."""
+        process_vm_readv rights) and write nothing. ``while_copying(written)``:
+        run once the read is under way (CUDA IPC: while the copy engine works,
+        ``written`` True; CPU: just before the reads, False), only if this path
+        serves the ref."""
         if not isinstance(meta, SglangIpcTransportMetadata) or not meta.tensor_meta or not targets:
             return None
         path = self.cma if meta.cma is not None else self.cuda_ipc

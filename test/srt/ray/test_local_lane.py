@@ -201,6 +201,21 @@ def test_a_broken_lane_is_dropped_and_pulls_go_through_ray(lane):
     assert lanes.pull(rank, ref, ["w"], None, {}) == "ray-call"
 
 
+def test_a_dropped_lane_still_answers_the_calls_already_sent(lane):
+    """Two bucket pulls in flight, the second's send fails: the lane is
+    dropped for new calls, but the first still gets its answer (else its
+    slot would never be released)."""
+    from sglang.srt.ray.rdt.trainer.lane import Lanes
+
+    lanes = Lanes()
+    lanes.links[0] = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
+    call = lanes.links[0].send("ping", {})
+    lanes._drop(0)
+    assert 0 not in lanes.links
+    assert call.result(10) == {"pid": os.getpid()}
+    lanes.close()
+
+
 def test_a_dead_ranks_lane_directory_is_removed_by_the_next_lane(tmp_path):
     """A killed rank cannot remove its socket directory; the next lane that
     starts on the host removes those of processes that are gone."""

@@ -31,9 +31,10 @@ def recv_frame(sock: socket.socket, timeout_s: Optional[float] = None) -> Option
     ``timeout_s`` (default :data:`FRAME_TIMEOUT_S`; ``socket.timeout``
     otherwise): a peer that stalls in the middle of a frame cannot hold the
     reader."""
-    if timeout_s is None:
-        timeout_s = FRAME_TIMEOUT_S
-    head = _recv_exact(sock, FRAME.size, timeout_s)
+    import time
+
+    deadline = time.monotonic() + (FRAME_TIMEOUT_S if timeout_s is None else timeout_s)
+    head = _recv_exact(sock, FRAME.size, deadline)
     if head is None:
         return None
     (n,) = FRAME.unpack(head)
@@ -41,23 +42,25 @@ def recv_frame(sock: socket.socket, timeout_s: Optional[float] = None) -> Option
         raise ConnectionError(f"a {n}-byte frame on the call lane (at most {MAX_FRAME})")
     if not n:
         return b""
-    body = _recv_exact(sock, n, timeout_s)
+    body = _recv_exact(sock, n, deadline)
     if body is None:
         raise ConnectionError("the call lane closed in the middle of a frame")
     return body
 
 
-def _recv_exact(sock: socket.socket, n: int, timeout_s: float) -> Optional[bytes]:
-    """``n`` bytes within ``timeout_s``; None if the peer closed before the first one."""
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> Optional[bytes]:
+    """``n`` bytes by ``deadline`` (monotonic); None if the peer closed before the first one."""
     import time
 
     buf = bytearray(n)
     view, got = memoryview(buf), 0
-    deadline = time.monotonic() + timeout_s
     old = sock.gettimeout()
     try:
         while got < n:
-            sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("a frame on the call lane did not arrive in time")
+            sock.settimeout(left)
             k = sock.recv_into(view[got:])
             if not k:
                 if got:

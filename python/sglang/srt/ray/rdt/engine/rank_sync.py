@@ -202,14 +202,22 @@ class RankWeightSync:
         load replaced parameters), that walk runs at the scheduler's next
         safe point instead. The lane calls this once a pull's answer has
         left, so the work is off the critical path of both updates."""
-        if self.receiver.needs_refresh() and not self._refresh_posted:
-            self._refresh_posted = True  # one walk for several events in a row
+        if not self.receiver.needs_refresh():
+            self._refresh_posted = False  # walked (here or in a pull): post again next time
+            return
+        if self._refresh_posted:
+            return  # one walk for several events in a row
+        self._refresh_posted = True
 
-            def refresh(_scheduler):
-                self._refresh_posted = False
-                self.receiver.refresh()
+        def refresh(_scheduler):
+            self._refresh_posted = False
+            self.receiver.refresh()
 
-            if not self.safe_point.post(refresh):
+        posted = False
+        try:
+            posted = self.safe_point.post(refresh)
+        finally:
+            if not posted:
                 self._refresh_posted = False
 
     def prepare(self, refs, names) -> Dict[str, Any]:

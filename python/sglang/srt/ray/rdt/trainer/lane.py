@@ -129,8 +129,10 @@ class RankLink:
         self._next = 0
         self._early: Dict[bytes, Any] = {}  # replies read while waiting for another
         # The connection failed: nothing more goes over it (the client then
-        # reaches the rank through Ray).
+        # reaches the rank through Ray). Calls already sent may still read
+        # their answers — unless the incoming stream itself broke (garbled).
         self.broken = False
+        self._garbled = False
 
     def send(self, op: str, kwargs: Dict[str, Any], fallback: Optional[Callable[[], Any]] = None) -> LaneCall:
         self._next += 1
@@ -144,6 +146,8 @@ class RankLink:
 
     def receive(self, req_id: bytes, deadline: float):
         while req_id not in self._early:
+            if self._garbled or self._sock.fileno() < 0:
+                raise RankGone(f"the call lane to the rank (pid {self.pid}) broke during the call")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
@@ -157,7 +161,7 @@ class RankLink:
                 else:
                     why = ""
                 if body is None:
-                    self.broken = True
+                    self.broken = self._garbled = True
                     raise RankGone(f"the rank's process (pid {self.pid}) exited during the call, "
                                    f"or closed its lane (the connection ended{why})")
                 self._early[body[:ID_BYTES]] = pickle.loads(body[ID_BYTES:])
@@ -165,6 +169,17 @@ class RankLink:
                 self.broken = True
                 raise RankGone(f"the rank's process (pid {self.pid}) exited during the call")
         return self._early.pop(req_id)
+
+    def retire(self) -> None:
+        """Send nothing more (the rank drops a request cut short), but let
+        calls already sent read their answers."""
+        self.broken = True
+        try:
+            import socket
+
+            self._sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
 
     def close(self) -> None:
         self.broken = True
@@ -181,6 +196,7 @@ class Lanes:
         self.links: Dict[int, RankLink] = {}
         self._held: Dict[int, set] = {}  # rank -> hex of the refs it holds
         self._read: Dict[int, set] = {}  # rank -> hex of the refs it read in this update
+        self._retired: list = []  # broken links, closed with the lanes
 
     def open(self, ranks, statuses: Sequence[Dict[str, Any]], call_timeout_s: float) -> None:
         """Open a lane to every rank on this process's node (once). A rank
@@ -245,10 +261,13 @@ class Lanes:
             return through_ray()
 
     def _drop(self, rank: int) -> None:
-        """Stop using ``rank``'s lane (its connection failed)."""
+        """Stop using ``rank``'s lane (its connection failed). Calls already
+        sent over it may still read their answers; it is closed with the
+        client's lanes."""
         link = self.links.pop(rank, None)
         if link is not None:
-            link.close()
+            link.retire()
+            self._retired.append(link)
         self._held.pop(rank, None)
         self._read.pop(rank, None)
 
@@ -257,8 +276,9 @@ class Lanes:
         self._read.clear()
 
     def close(self) -> None:
-        for link in self.links.values():
+        for link in [*self.links.values(), *self._retired]:
             link.close()
         self.links.clear()
+        self._retired.clear()
         self.forget()
         self.opened = False

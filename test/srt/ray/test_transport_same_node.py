@@ -217,4 +217,3 @@ def test_a_cached_copy_plan_is_used_only_while_every_mapping_it_points_into_is_o
     cache.enabled = False  # no caching: nothing is kept or reused
     cache.keep_plan("k", CopyPlan(**{**plan.__dict__, "generation": cache.generation}))
     assert cache.plan("k", [0xD000], ipc) is None
-

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from typing import Optional
 
 FRAME = struct.Struct("<I")
@@ -31,8 +32,6 @@ def recv_frame(sock: socket.socket, timeout_s: Optional[float] = None) -> Option
     ``timeout_s`` (default :data:`FRAME_TIMEOUT_S`; ``socket.timeout``
     otherwise): a peer that stalls in the middle of a frame cannot hold the
     reader."""
-    import time
-
     deadline = time.monotonic() + (FRAME_TIMEOUT_S if timeout_s is None else timeout_s)
     head = _recv_exact(sock, FRAME.size, deadline)
     if head is None:
@@ -50,8 +49,6 @@ def recv_frame(sock: socket.socket, timeout_s: Optional[float] = None) -> Option
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float) -> Optional[bytes]:
     """``n`` bytes by ``deadline`` (monotonic); None if the peer closed before the first one."""
-    import time
-
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     old = sock.gettimeout()

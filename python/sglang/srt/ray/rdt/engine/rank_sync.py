@@ -213,12 +213,8 @@ class RankWeightSync:
             self._refresh_posted = False
             self.receiver.refresh()
 
-        posted = False
-        try:
-            posted = self.safe_point.post(refresh)
-        finally:
-            if not posted:
-                self._refresh_posted = False
+        if not self.safe_point.post(refresh):
+            self._refresh_posted = False  # no loop to take it: the next pull walks
 
     def prepare(self, refs, names) -> Dict[str, Any]:
         """Check a pull and open what it reads from, writing nothing (scheduler

@@ -58,6 +58,8 @@ from sglang.srt.ray.rdt.engine.plan import PlanCache, TensorSpec, check_in_place
 logger = logging.getLogger(__name__)
 
 GC_HOLDER = "rank weight update"
+# Refs whose tensor specs a rank keeps (_specs): the last few layouts' refs.
+MAX_KEPT_SPECS = 64
 
 PARAMS_MOVED = (
     "the rollout model's parameters changed since this layout was planned (a "
@@ -72,8 +74,6 @@ class ParametersMoved(WeightSyncError):
     def __init__(self, written: bool):
         super().__init__(PARAMS_MOVED)
         self.written = written
-# Refs whose tensor specs a rank keeps (_specs): the last few layouts' refs.
-MAX_KEPT_SPECS = 64
 
 
 class RdtWeightReceiver:

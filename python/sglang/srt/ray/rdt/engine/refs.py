@@ -77,6 +77,15 @@ def ref_tensor_specs(ref, timeout_s: float) -> List[TensorSpec]:
     return [TensorSpec.of(entry) for entry in transport_meta.tensor_meta]
 
 
+def _transport_meta(ref, backend: str):
+    """The tensor-transport metadata of a ref put with ``backend`` (upper
+    case), or None (another transport, or not there yet)."""
+    meta = compat.rdt_metadata(ref)
+    if meta is None or meta.tensor_transport_backend.upper() != backend:
+        return None
+    return meta.tensor_transport_meta
+
+
 def fetch_same_node(ref, targets, copy: bool = True, while_copying=None) -> Optional[List[Any]]:
     """Fetch an ``SGLANG_IPC`` ref into ``targets`` over the same-node path
     directly (no ``ray.get``); None when that path does not serve it here
@@ -87,15 +96,13 @@ def fetch_same_node(ref, targets, copy: bool = True, while_copying=None) -> Opti
 
     if not envs.SGLANG_RDT_DIRECT_FETCH.get():
         return None
-    meta = compat.rdt_metadata(ref)
-    if meta is None or meta.tensor_transport_backend.upper() != SGLANG_IPC:
-        return None
-    if meta.tensor_transport_meta is None:
+    tm = _transport_meta(ref, SGLANG_IPC)
+    if tm is None:
         return None
     from sglang.srt.ray.rdt.transport import sglang_ipc
 
-    return sglang_ipc.transport().fetch_same_node(ref.hex(), meta.tensor_transport_meta, targets,
-                                                  copy=copy, while_copying=while_copying)
+    return sglang_ipc.transport().fetch_same_node(ref.hex(), tm, targets, copy=copy,
+                                                  while_copying=while_copying)
 
 
 def cuda_ipc_ref(ref) -> bool:
@@ -104,10 +111,7 @@ def cuda_ipc_ref(ref) -> bool:
     fetches are on)."""
     from sglang.srt.environ import envs
 
-    meta = compat.rdt_metadata(ref)
-    if meta is None or meta.tensor_transport_backend.upper() != SGLANG_IPC:
-        return False
-    return (getattr(meta.tensor_transport_meta, "ipc", None) is not None
+    return (getattr(_transport_meta(ref, SGLANG_IPC), "ipc", None) is not None
             and envs.SGLANG_RDT_DIRECT_FETCH.get())
 
 
@@ -121,21 +125,16 @@ def nixl_job(ref, targets):
 
     if not targets or not envs.SGLANG_RDT_DIRECT_FETCH.get():
         return None
-    meta = compat.rdt_metadata(ref)
-    if meta is None or meta.tensor_transport_backend.upper() != "NIXL":
+    tm = _transport_meta(ref, "NIXL")
+    if tm is None:
         return None
-    if meta.tensor_transport_meta is None:
-        return None
-    return ref.hex(), meta.tensor_transport_meta, targets
+    return ref.hex(), tm, targets
 
 
 def same_node_sender(ref) -> Optional[str]:
     """The sender process token of an ``SGLANG_IPC`` ref readable on its node
     (CUDA IPC or process_vm_readv part), else None."""
-    meta = compat.rdt_metadata(ref)
-    if meta is None or meta.tensor_transport_backend.upper() != SGLANG_IPC:
-        return None
-    tm = meta.tensor_transport_meta
+    tm = _transport_meta(ref, SGLANG_IPC)
     part = getattr(tm, "ipc", None) or getattr(tm, "cma", None)
     return getattr(part, "sender", None)
 

@@ -133,9 +133,14 @@ def test_the_next_updates_walk_of_the_model_runs_once_the_update_ended(rank):
     assert len(walks) == 2
 
 
-def test_an_update_ended_in_a_lane_pull_walks_after_its_answer_left(rank):
+def test_an_update_ended_in_a_lane_pull_walks_after_its_answer_left(rank, monkeypatch):
     """A pull that ends the update (finalize=) must answer first: the walk
     is posted once the lane sent the answer, not while it is on its way."""
+    from sglang.srt.ray.rdt.transport import sglang_ipc
+
+    # open_lane says which Ray node the rank is on; no Ray here (asking would
+    # start a local one in the test process, which later fixtures then meet).
+    monkeypatch.setattr(sglang_ipc, "reach", lambda: {"node_id": "test-node", "gpus": []})
     recv = rank.receiver
     recv._plans.param_names()
     order = []

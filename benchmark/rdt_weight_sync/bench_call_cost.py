@@ -20,7 +20,7 @@ each, and the pull split into stages, from the stamps the rank returns
 ``time.perf_counter()``, one monotonic clock for every process of the host):
 
 ==================  ========================================================
-dispatch            the driver's ``.remote()`` until the actor method queued
+dispatch            the caller's ``.remote()`` until the actor method queued
                     the pull for the scheduler thread (Ray's call path)
 safe-point pickup   queued until the scheduler loop started the task
 quiesce check       the actor's check that no batch runs (actor_mixin)
@@ -34,7 +34,7 @@ verify              transport used + every tensor landed in its target
 record              the update state's record of the pull, metrics
 log                 the pull's log line
 safe-point handoff  the task finished until the actor thread had it back
-reply               the actor thread's return until the driver had the
+reply               the actor thread's return until the caller had the
                     result (Ray's return path)
 ==================  ========================================================
 
@@ -148,6 +148,28 @@ def make_trainer(ray):
             ref = ray.put(self.views, _tensor_transport=self.transport)
             self.refs = [ref]  # the previous call's ref is dropped
             return [ref]
+
+        def calls(self, rank, names, n):
+            """``n`` rounds of (no-op, status, put, pull) made from here, as
+            miles' trainer makes them: the caller owns the ref it sends, and
+            calls right after its put (what the put leaves running in this
+            process — Ray's bookkeeping of the new object — is then the
+            pull's to pay, not the no-op's)."""
+            import time
+
+            clock, rows = time.perf_counter, []
+            for _ in range(n):
+                t0 = clock()
+                ray.get(rank.__ray_ready__.remote(), timeout=60)
+                t1 = clock()
+                ray.get(rank.get_weight_sync_status.remote(), timeout=60)
+                t1b = clock()
+                refs = self.put()
+                t2 = clock()
+                out = ray.get(rank.pull_weights.remote(refs, names), timeout=120)
+                t3 = clock()
+                rows.append((t0, t1, t1b, t2, t3, out))
+            return rows
 
     return CallCostTrainer
 
@@ -269,13 +291,10 @@ def measure(args, url: str, log=print) -> Dict[str, Any]:
     first: Dict[str, Any] = {}
     clock = time.perf_counter
     updates = 1
-    begin()
-    try:
-        for i in range(args.warmup + args.calls):
-            if args.calls_per_update and i > args.warmup and (i - args.warmup) % args.calls_per_update == 0:
-                end(f"call-cost-{os.getpid()}-{updates}")  # miles: one update per round of buckets
-                begin()
-                updates += 1
+
+    def driver_calls(n: int):
+        out_rows = []
+        for _ in range(n):
             (ref,) = ray.get(trainer.put.remote(), timeout=60)
             t0 = clock()
             ray.get(rank.__ray_ready__.remote(), timeout=60)
@@ -285,13 +304,40 @@ def measure(args, url: str, log=print) -> Dict[str, Any]:
             out = ray.get(rank.pull_weights.remote([ref], names), timeout=120)
             t3 = clock()
             del ref
+            out_rows.append((t0, t1, t2, t2, t3, out))
+        return out_rows
+
+    def calls(n: int):
+        if args.caller == "driver":  # a borrower of the ref sends it
+            return driver_calls(n)
+        return ray.get(trainer.calls.remote(rank, names, n), timeout=120 + 5 * n)
+
+    # Calls in segments: the warm-up, then one segment per update.
+    total = args.warmup + args.calls
+    per = args.calls_per_update or args.calls
+    segments = [args.warmup] if args.warmup else []
+    left = args.calls
+    while left > 0:
+        segments.append(min(per, left))
+        left -= segments[-1]
+    begin()
+    try:
+        done = []
+        for k, n in enumerate(segments):
+            if args.calls_per_update and k > (1 if args.warmup else 0):
+                end(f"call-cost-{os.getpid()}-{updates}")  # miles: one update per round of buckets
+                begin()
+                updates += 1
+            done += calls(n)
+        assert len(done) == total
+        for i, (t0, t1, t1b, t2, t3, out) in enumerate(done):
             if i == 0:
                 first = {"total_ms": (t3 - t2) * 1e3,
                          "stages_ms": {k: v * 1e3 for k, v in out.get("stages", {}).items()}}
             if i < args.warmup:
                 continue
             noop.append(t1 - t0)
-            status_call.append(t2 - t1)
+            status_call.append(t1b - t1)
             rows.append(split(out, t2, t3))
             reused.append(bool(out.get("plan_reused")))
     finally:
@@ -314,6 +360,7 @@ def measure(args, url: str, log=print) -> Dict[str, Any]:
         "names": names,
         "bytes": sum(nbytes(n) for n in names),
         "transport": args.transport,
+        "caller": args.caller,
         "pause_mode": args.pause_mode,
         "updates": updates,
         "plan_reused": sum(reused) / max(1, len(reused)),
@@ -330,7 +377,8 @@ def print_table(res: Dict[str, Any], target: float) -> None:
     pull, noop, status = res["pull"], res["noop"], res["status_call"]
     print()
     print(f"pull_weights of {res['tensors']} tensor(s), {res['bytes']} bytes put over {res['transport']}, "
-          f"{res['calls']} calls after {res['warmup']} warm-up, {res['updates']} update(s), "
+          f"{res['calls']} calls from the {res.get('caller', 'driver')} after {res['warmup']} warm-up, "
+          f"{res['updates']} update(s), "
           f"plan reused in {res['plan_reused']:.0%}; load average "
           + " ".join(f"{x:.1f}" for x in res["load_average"]))
     print(f"{'':28s}{'p50 ms':>9s}{'p90 ms':>9s}{'mean ms':>9s}")
@@ -371,6 +419,10 @@ def main(argv=None) -> int:
                         "(e.g. UCX_TLS=cma,tcp,self; repeat)")
     p.add_argument("--transport", default="nixl", choices=["nixl", "SGLANG_IPC"],
                    help="how the trainer puts (SGLANG_IPC: the same-node path, read without ray.get)")
+    p.add_argument("--caller", default="driver", choices=["driver", "trainer"],
+                   help="who sends the calls: this driver, a borrower of the ref (default, "
+                        "the setup of every earlier figure), or the trainer actor that put "
+                        "it, right after its put (miles' own shape)")
     p.add_argument("--target", type=float, default=2.0, help="p50 ratio to the no-op call")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)

@@ -345,6 +345,86 @@ def test_serving_loop_does_not_wait_and_waits_again_once_paused(quiet_loop):
     assert _rounds_in(loop, 0.5) <= 0.5 / IDLE_WAIT_S + 3
 
 
+def _wait_parked(q, timeout_s=5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not q._parked:
+        assert time.monotonic() < deadline, "the loop never waited"
+        time.sleep(0.0005)
+
+
+def test_a_parked_loop_lends_its_safe_point_and_cannot_leave_while_a_lent_task_runs(quiet_loop):
+    loop, me = quiet_loop, threading.get_ident()
+    _wait_parked(loop.q)
+    # Lent: the task runs here, with the loop's scheduler; not lent: on the loop.
+    assert loop.q.call(None, lambda s: (threading.get_ident(), s), 5, lend=True) == (me, loop.sched)
+    assert loop.q.lent == 1
+    assert loop.q.call(loop.sched, lambda s: threading.get_ident(), 5) == loop.thread.ident
+    # While a lent task runs, a request and a queued task wait for it: the
+    # loop cannot leave its safe point beside the task.
+    order, posted_ran = [], threading.Event()
+    _wait_parked(loop.q)
+
+    def lent_task(s):
+        order.append("lent start")
+        n = len(loop.rounds)
+        loop.sender.send(b"request")  # would end the wait at once
+        loop.q.post(lambda s: (order.append("posted"), posted_ran.set()))
+        assert not posted_ran.wait(0.2)  # a window: the loop would take it within us
+        assert len(loop.rounds) == n
+        order.append("lent end")
+        return "done"
+
+    assert loop.q.call(None, lent_task, 5, lend=True) == "done"
+    assert posted_ran.wait(5) and order == ["lent start", "lent end", "posted"]
+    assert loop.q.lent == 2
+
+
+def test_a_lent_task_that_ends_the_quiet_wakes_the_loop(quiet_loop, monkeypatch):
+    import sglang.srt.managers.scheduler_safe_point as sp
+
+    loop = quiet_loop
+    monkeypatch.setattr(sp, "IDLE_WAIT_S", 30.0)  # without a wake-up it would sit 30 s
+    waits = loop.q.idle_waits
+    t0 = time.monotonic()
+    while loop.q.idle_waits == waits:  # a wait that began after the patch: 30 s long
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.001)
+    _wait_parked(loop.q)
+
+    def unpause(s):
+        s._engine_paused = False  # serving again: the loop must go round
+        return time.monotonic()
+
+    t_done = loop.q.call(None, unpause, 5, lend=True)
+    n = len(loop.rounds)
+    while len(loop.rounds) == n:
+        assert time.monotonic() - t_done < 10, "the loop slept through the change"
+        time.sleep(0.001)
+    assert loop.rounds[n] - t_done < 5
+
+
+def test_a_busy_loop_lends_nothing(quiet_loop):
+    loop = quiet_loop
+    _wait_parked(loop.q)
+    gate, inside = threading.Event(), threading.Event()
+    holder = threading.Thread(
+        target=loop.q.call, args=(None, lambda s: (inside.set(), gate.wait(5)), 10))
+    holder.start()
+    assert inside.wait(5) and not loop.q._parked  # the loop thread runs a task
+    got = {}
+    caller = threading.Thread(target=lambda: got.setdefault(
+        "thread", loop.q.call(None, lambda s: threading.get_ident(), 10, lend=True)))
+    caller.start()
+    t0 = time.monotonic()
+    while loop.q._tasks.qsize() == 0:  # queued behind the running task
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.0005)
+    gate.set()
+    holder.join(5)
+    caller.join(5)
+    assert got["thread"] == loop.thread.ident and loop.q.lent == 0
+
+
 def test_rank_with_tp_peers_never_waits(monkeypatch):
     import sglang.srt.runtime_context as rc
 

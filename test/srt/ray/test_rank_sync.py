@@ -168,3 +168,42 @@ def test_an_update_ended_in_a_lane_pull_walks_after_its_answer_left(rank, monkey
         link.close()
     assert order == [("answered", True)]  # still to walk when the answer was built
     _wait_for(lambda: not recv.needs_refresh())
+
+
+def _parked(sync, timeout_s=5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not sync.safe_point._parked:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_a_quiet_loop_lends_pulls_to_the_callers_thread_but_never_the_updates_end(rank):
+    ran = []
+
+    def fake_pull(refs, names, timeout):
+        ran.append(("pull", threading.get_ident()))
+        return {"stages": {}, "timing": {}}
+
+    rank.receiver.pull = fake_pull
+    rank.port.post_load = lambda: ran.append(("post_load", threading.get_ident()))
+    rank.port.is_paused = True
+    assert _parked(rank)  # paused and idle: the loop waits, lending its safe point
+    out = rank.pull([object()], ["weight"])
+    me, loop = threading.get_ident(), rank.loop._thread.ident
+    assert ran == [("pull", me)] and out["timing"]["lent"] is True
+    assert rank.safe_point.lent == 1
+    # With the update's end folded in (sglang's post-load): on the loop thread.
+    ran.clear()
+    assert _parked(rank)
+    out = rank.pull([object()], ["weight"], finalize={"weight_version": "v2"})
+    assert ran == [("pull", loop), ("post_load", loop)] and "lent" not in out["timing"]
+    assert out["finalized"]["weight_version"] == "v2" and rank.safe_point.lent == 1
+    # Lent or not, the quiescence check runs first: unpaused, a pull is refused.
+    rank.port.is_paused = False
+    with pytest.raises(WeightSyncError, match=NOT_PAUSED):
+        rank.pull([object()], ["weight"])
+    assert ran == [("pull", loop), ("post_load", loop)]  # refused before the receiver

@@ -116,9 +116,12 @@ class RankWeightSync:
             self.lane.release(sender)
         return self.receiver.release_sender(sender)
 
-    def on_scheduler(self, fn, timeout_s: float = SAFE_POINT_TIMEOUT_S):
-        """Run ``fn()`` on the scheduler thread at its next safe point."""
-        return self.safe_point.call(None, lambda _scheduler: fn(), timeout_s)
+    def on_scheduler(self, fn, timeout_s: float = SAFE_POINT_TIMEOUT_S, lend: bool = False):
+        """Run ``fn()`` on the scheduler thread at its next safe point
+        (``lend``: or on this thread while the loop is parked in its idle
+        wait — for work that stays inside this rank's weight-sync state and
+        the parameters' bytes; never the update's end)."""
+        return self.safe_point.call(None, lambda _scheduler: fn(), timeout_s, lend=lend)
 
     def quiesced(self) -> Optional[str]:
         """None when a pull is safe now, else why not (on the scheduler thread)."""
@@ -181,7 +184,8 @@ class RankWeightSync:
             # call reached its safe point: look again for a moment first.
             deadline = time.monotonic() + PAUSE_GRACE_S
             while True:
-                out = self.on_scheduler(run, budget)
+                # (an update that ends here runs sglang's post-load: never lent)
+                out = self.on_scheduler(run, budget, lend=end is None)
                 if out is not _NOT_PAUSED_YET:
                     return out
                 if time.monotonic() > deadline:
@@ -219,7 +223,7 @@ class RankWeightSync:
     def prepare(self, refs, names) -> Dict[str, Any]:
         """Check a pull and open what it reads from, writing nothing (scheduler
         thread; no pause needed): :meth:`RdtWeightReceiver.prepare`."""
-        out = self.on_scheduler(lambda: self.receiver.prepare(refs, names))
+        out = self.on_scheduler(lambda: self.receiver.prepare(refs, names), lend=True)
         if self.lane is not None:
             self.lane.keep(refs)
         return out

@@ -70,11 +70,16 @@ class ModelPort:
 
 
 class ServingLoop:
-    """A thread that runs queued safe-point tasks between iterations."""
+    """A thread that runs queued safe-point tasks between iterations. While
+    ``quiet()`` (sglang's loop: paused or in a weight-update session, nothing
+    running) its idle wait is lent to callers the way sglang's is
+    (:meth:`SafePointQueue.parked`)."""
 
-    def __init__(self, queue: SafePointQueue, iteration_s: float = 0.0005):
+    def __init__(self, queue: SafePointQueue, iteration_s: float = 0.0005,
+                 quiet: Optional[Callable[[], bool]] = None):
         self.queue = queue
         self.iteration_s = iteration_s
+        self.quiet = quiet or (lambda: False)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rank-loop", daemon=True)
 
@@ -92,7 +97,11 @@ class ServingLoop:
                 self.queue.run_pending(None)
                 # An idle iteration of a real loop: poll for requests; like
                 # sglang's idle wait, a queued task ends the wait at once.
-                select.select([wake], [], [], self.iteration_s)
+                if self.quiet():
+                    with self.queue.parked(None, self.quiet):
+                        select.select([wake], [], [], self.iteration_s)
+                else:
+                    select.select([wake], [], [], self.iteration_s)
         finally:
             self.queue.loop_stopped()
 
@@ -108,5 +117,5 @@ def standalone_rank(model: torch.nn.Module, **kwargs) -> RankWeightSync:
     port = ModelPort(model)
     sync = RankWeightSync(port, queue, **kwargs)
     port.sync = sync
-    sync.loop = ServingLoop(queue).start()
+    sync.loop = ServingLoop(queue, quiet=lambda: port.paused() or port.session_open()).start()
     return sync

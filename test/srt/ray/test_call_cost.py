@@ -277,6 +277,7 @@ def quiet_loop(monkeypatch):
     sender = ctx.socket(zmq.PUSH)
     sender.connect("inproc://call-cost-loop")
     q = SafePointQueue()
+    q.lending = True  # whatever SGLANG_RDT_LEND_SAFE_POINT says here
     sched = types.SimpleNamespace(
         safe_point_tasks=q, _engine_paused=True, _deferred_input_requests=[],
         gracefully_exit=False,
@@ -396,11 +397,44 @@ def test_a_lent_task_that_ends_the_quiet_wakes_the_loop(quiet_loop, monkeypatch)
         return time.monotonic()
 
     t_done = loop.q.call(None, unpause, 5, lend=True)
+    assert loop.q.lent == 1  # it ran here, not on the loop thread
     n = len(loop.rounds)
     while len(loop.rounds) == n:
         assert time.monotonic() - t_done < 10, "the loop slept through the change"
         time.sleep(0.001)
     assert loop.rounds[n] - t_done < 5
+
+
+def test_a_lent_call_never_overtakes_a_queued_task_and_may_call_again(quiet_loop, monkeypatch):
+    import sglang.srt.managers.scheduler_safe_point as sp
+
+    loop, me = quiet_loop, threading.get_ident()
+    monkeypatch.setattr(sp, "IDLE_WAIT_S", 30.0)
+    waits = loop.q.idle_waits
+    t0 = time.monotonic()
+    while loop.q.idle_waits == waits:  # a 30 s wait began
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.001)
+    _wait_parked(loop.q)
+    # A task in the queue whose wake-up has not come through yet: a lent call
+    # goes behind it (and its own wake-up serves both), in order.
+    from concurrent.futures import Future
+
+    order, fut = [], Future()
+    loop.q._tasks.put((lambda s: order.append(("queued", threading.get_ident())), fut, {}))
+    loop.q.call(None, lambda s: order.append(("lend", threading.get_ident())), 5, lend=True)
+    assert fut.done() and loop.q.lent == 0
+    assert order == [("queued", loop.thread.ident), ("lend", loop.thread.ident)]
+    # A lent task that calls the safe point again runs that call right here
+    # (the loop is held for it; queueing would wait for itself).
+    _wait_parked(loop.q)
+
+    def nested(s):
+        return loop.q.call(None, lambda s2: (threading.get_ident(), s2), 2)
+
+    t0 = time.monotonic()
+    assert loop.q.call(None, nested, 5, lend=True) == (me, loop.sched)
+    assert loop.q.lent == 1 and time.monotonic() - t0 < 1
 
 
 def test_a_busy_loop_lends_nothing(quiet_loop):

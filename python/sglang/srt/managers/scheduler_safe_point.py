@@ -81,6 +81,7 @@ class SafePointQueue:
         self._parked_scheduler: Any = None
         self._still_idle: Optional[Callable[[], bool]] = None
         self.lent = 0  # tasks run on their caller's thread (status, tests)
+        self._lent_thread: Optional[int] = None  # the thread running a lent task
         self.lending = _lending_enabled()
 
     def wake_fd(self) -> int:
@@ -196,8 +197,11 @@ class SafePointQueue:
         try:
             yield
         finally:
+            # Lend no more from here (a request the poll saw is taken in
+            # before any later pull), then wait for a lent task that runs.
+            self._parked = False
             with self._park:
-                self._parked = False
+                pass
 
     def _run_lent(self, fn: Callable[[Any], Any], queued: float) -> Any:
         """Run ``fn`` here if the loop is parked and nothing is queued ahead
@@ -209,9 +213,11 @@ class SafePointQueue:
                 return _NOT_LENT
             self.lent += 1
             stamps = {"queued": queued, "started": time.perf_counter(), "lent": True}
+            self._lent_thread = threading.get_ident()
             try:
                 result = fn(self._parked_scheduler)
             finally:
+                self._lent_thread = None
                 stamps["finished"] = time.perf_counter()
                 try:
                     still = self._still_idle is None or self._still_idle()
@@ -295,8 +301,11 @@ class SafePointQueue:
             with self._inline_lock:
                 if self._state == "not_started":
                     return _stamped(fn(scheduler), {"queued": queued})
-        if threading.get_ident() == self._loop_thread:
-            return _stamped(fn(scheduler), {"queued": queued})
+        if threading.get_ident() in (self._loop_thread, self._lent_thread):
+            # the loop's own thread, or a lent task (the loop is held at its
+            # safe point for it): already at the safe point
+            return _stamped(fn(scheduler if scheduler is not None else self._parked_scheduler),
+                            {"queued": queued})
         if lend and self.lending:
             result = self._run_lent(fn, queued)
             if result is not _NOT_LENT:

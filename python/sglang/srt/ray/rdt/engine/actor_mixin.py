@@ -231,6 +231,8 @@ class RdtWeightSyncMixin:
             status.update(self._rdt_sync.status())
         status["weight_version"] = self._rdt_port.weight_version()
         status["event_loop"] = self._rdt_safe_point.state
+        # pulls run on their caller's thread while the loop waited (lent safe point)
+        status["lent_pulls"] = self._rdt_safe_point.lent
         status["idle_sleep"] = self._rdt_idle_sleep
         return status
 

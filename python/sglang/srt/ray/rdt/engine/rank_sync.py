@@ -18,6 +18,7 @@ whose loop serves the same queue) run this same code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -160,7 +161,8 @@ class RankWeightSync:
             nonlocal landed
             why = self.quiesced()
             if why is None:
-                out = self.receiver.pull(refs, names, timeout)
+                with self._scheduler_stream():
+                    out = self.receiver.pull(refs, names, timeout)
                 landed = True
                 if self.lane is not None:
                     self.lane.keep(refs)
@@ -200,6 +202,13 @@ class RankWeightSync:
             if kind is not None:
                 self.state.fail(kind)
             raise
+
+    def _scheduler_stream(self):
+        """The scheduler thread's CUDA stream made current: a pull run on
+        another thread (the safe point lent to it) starts its copies after the
+        work the scheduler queued there (an update's post-load kernels)."""
+        stream = self.port.stream() if self.device is not None and self.device.type == "cuda" else None
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def prepare_next_pull(self) -> None:
         """If the next pull would walk the model first (an update ended, a

@@ -68,6 +68,9 @@ class ModelPort:
     def weight_version(self) -> Optional[str]:
         return self.version
 
+    def stream(self):
+        return None  # the loop thread queues nothing on a stream of its own
+
 
 class ServingLoop:
     """A thread that runs queued safe-point tasks between iterations. While

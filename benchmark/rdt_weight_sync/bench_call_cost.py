@@ -22,7 +22,9 @@ each, and the pull split into stages, from the stamps the rank returns
 ==================  ========================================================
 dispatch            the caller's ``.remote()`` until the actor method queued
                     the pull for the scheduler thread (Ray's call path)
-safe-point pickup   queued until the scheduler loop started the task
+safe-point pickup   queued until the scheduler loop started the task (~0 when
+                    the waiting loop lent its safe point: run on the actor's
+                    thread)
 quiesce check       the actor's check that no batch runs (actor_mixin)
 metadata            RDT metadata of the refs (shapes, dtypes)
 plan                names → live parameters, shape/dtype/contiguity checks

@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import wait_until
+
 from sglang.srt.managers.scheduler_safe_point import (
     IDLE_WAIT_S,
     SafePointQueue,
@@ -346,11 +348,15 @@ def test_serving_loop_does_not_wait_and_waits_again_once_paused(quiet_loop):
     assert _rounds_in(loop, 0.5) <= 0.5 / IDLE_WAIT_S + 3
 
 
-def _wait_parked(q, timeout_s=5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not q._parked:
-        assert time.monotonic() < deadline, "the loop never waited"
-        time.sleep(0.0005)
+def _wait_parked(q) -> None:
+    wait_until(lambda: q._parked, 5, interval=0.0005, what="the loop waiting at its safe point")
+
+
+def _wait_new_idle_wait(q) -> None:
+    """Until the loop began a wait after this call (one of IDLE_WAIT_S as patched)."""
+    waits = q.idle_waits
+    wait_until(lambda: q.idle_waits > waits, 5, interval=0.001, what="a new idle wait")
+    _wait_parked(q)
 
 
 def test_a_parked_loop_lends_its_safe_point_and_cannot_leave_while_a_lent_task_runs(quiet_loop):
@@ -385,12 +391,7 @@ def test_a_lent_task_that_ends_the_quiet_wakes_the_loop(quiet_loop, monkeypatch)
 
     loop = quiet_loop
     monkeypatch.setattr(sp, "IDLE_WAIT_S", 30.0)  # without a wake-up it would sit 30 s
-    waits = loop.q.idle_waits
-    t0 = time.monotonic()
-    while loop.q.idle_waits == waits:  # a wait that began after the patch: 30 s long
-        assert time.monotonic() - t0 < 5
-        time.sleep(0.001)
-    _wait_parked(loop.q)
+    _wait_new_idle_wait(loop.q)  # a wait that began after the patch: 30 s long
 
     def unpause(s):
         s._engine_paused = False  # serving again: the loop must go round
@@ -399,9 +400,8 @@ def test_a_lent_task_that_ends_the_quiet_wakes_the_loop(quiet_loop, monkeypatch)
     t_done = loop.q.call(None, unpause, 5, lend=True)
     assert loop.q.lent == 1  # it ran here, not on the loop thread
     n = len(loop.rounds)
-    while len(loop.rounds) == n:
-        assert time.monotonic() - t_done < 10, "the loop slept through the change"
-        time.sleep(0.001)
+    wait_until(lambda: len(loop.rounds) > n, 10, interval=0.001,
+               what="a round of the loop (it slept through the change)")
     assert loop.rounds[n] - t_done < 5
 
 
@@ -410,12 +410,7 @@ def test_a_lent_call_never_overtakes_a_queued_task_and_may_call_again(quiet_loop
 
     loop, me = quiet_loop, threading.get_ident()
     monkeypatch.setattr(sp, "IDLE_WAIT_S", 30.0)
-    waits = loop.q.idle_waits
-    t0 = time.monotonic()
-    while loop.q.idle_waits == waits:  # a 30 s wait began
-        assert time.monotonic() - t0 < 5
-        time.sleep(0.001)
-    _wait_parked(loop.q)
+    _wait_new_idle_wait(loop.q)  # a 30 s wait began
     # A task in the queue whose wake-up has not come through yet: a lent call
     # goes behind it (and its own wake-up serves both), in order.
     from concurrent.futures import Future
@@ -449,10 +444,8 @@ def test_a_busy_loop_lends_nothing(quiet_loop):
     caller = threading.Thread(target=lambda: got.setdefault(
         "thread", loop.q.call(None, lambda s: threading.get_ident(), 10, lend=True)))
     caller.start()
-    t0 = time.monotonic()
-    while loop.q._tasks.qsize() == 0:  # queued behind the running task
-        assert time.monotonic() - t0 < 5
-        time.sleep(0.0005)
+    wait_until(lambda: loop.q._tasks.qsize() > 0, 5, interval=0.0005,
+               what="the lend call queued behind the running task")
     gate.set()
     holder.join(5)
     caller.join(5)

@@ -10,6 +10,8 @@ import threading
 import pytest
 import torch
 
+from conftest import wait_until
+
 from sglang.srt.ray.rdt.engine.rank_sync import NOT_PAUSED, failure_kind
 from sglang.srt.ray.rdt.engine.standalone import standalone_rank
 from sglang.srt.ray.rdt.errors import (
@@ -171,15 +173,9 @@ def test_an_update_ended_in_a_lane_pull_walks_after_its_answer_left(rank, monkey
     _wait_for(lambda: not recv.needs_refresh())
 
 
-def _parked(sync, timeout_s=5.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not sync.safe_point._parked:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
+def _parked(sync) -> bool:
+    return wait_until(lambda: sync.safe_point._parked, 5, interval=0.001,
+                      what="the loop waiting at its safe point")
 
 
 def test_a_quiet_loop_lends_pulls_to_the_callers_thread_but_never_the_updates_end(rank):

@@ -10,6 +10,7 @@ plan, transfer, bookkeeping) in the GPU benchmark's rank and in test doubles.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable, Optional
 
@@ -100,10 +101,8 @@ class ServingLoop:
                 self.queue.run_pending(None)
                 # An idle iteration of a real loop: poll for requests; like
                 # sglang's idle wait, a queued task ends the wait at once.
-                if self.quiet():
-                    with self.queue.parked(None, self.quiet):
-                        select.select([wake], [], [], self.iteration_s)
-                else:
+                with (self.queue.parked(None, self.quiet) if self.quiet()
+                      else contextlib.nullcontext()):
                     select.select([wake], [], [], self.iteration_s)
         finally:
             self.queue.loop_stopped()

@@ -97,6 +97,9 @@ class ToyRank:
     def register(self):
         return self.receiver.register()
 
+    def deregister(self):
+        return self.receiver.deregister()
+
     def pull(self, refs, names, timeout_s=None):
         return self.receiver.pull(refs, names, timeout_s)
 
@@ -257,4 +260,47 @@ class ToyTrainer:
     def pid(self):
         import os
 
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class BucketTrainer:
+    """Puts views of one NIXL-registered buffer, as miles' trainer does with
+    its bucket: every update's refs describe the same sender memory."""
+
+    def __init__(self, nbytes: int = 1 << 16):
+        from sglang.srt.ray.rdt.transport.nixl_progress import configure_nixl_progress_thread
+
+        configure_nixl_progress_thread()
+        self.nbytes = nbytes
+        self.buf = torch.zeros(nbytes, dtype=torch.uint8)
+        ray.experimental.register_nixl_memory(self.buf)
+
+    def put(self, tensors: List[torch.Tensor]):
+        """Copy ``tensors`` into the buffer back to back and put the views."""
+        views, offset = [], 0
+        for t in tensors:
+            view = self.buf[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            views.append(view)
+            offset += t.nbytes
+        return [ray.put(views, _tensor_transport="nixl")]
+
+    def new_buffer(self):
+        """Deregister the buffer and register a fresh one (the sender's NIXL
+        metadata version moves on). Returns whether the address changed."""
+        old = self.buf.data_ptr()
+        ray.experimental.deregister_nixl_memory(self.buf)
+        self.buf = torch.zeros(self.nbytes, dtype=torch.uint8)
+        ray.experimental.register_nixl_memory(self.buf)
+        return self.buf.data_ptr() != old
+
+    def notifications(self) -> int:
+        """NIXL notifications this process's agent received since the last call."""
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+
+        agent = get_tensor_transport_manager("NIXL").get_nixl_agent()
+        return sum(len(v) for v in agent.get_new_notifs().values())
+
+    def pid(self):
         return os.getpid()

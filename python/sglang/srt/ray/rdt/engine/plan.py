@@ -12,6 +12,7 @@ ref here first is what keeps a rejected update from touching any weight.
 from __future__ import annotations
 
 import operator
+from collections import abc
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -47,13 +48,17 @@ def group_names(param_names: NamesArg, counts: Sequence[int]) -> List[List[str]]
     Accepted shapes: one flat list in the refs' tensor order (miles' call shape
     with one ref, or several refs back to back), or one list per ref.
     """
-    if isinstance(param_names, (str, bytes)) or not isinstance(param_names, Sequence):
+    if type(param_names) is list and len(counts) == 1 and len(param_names) == counts[0] and all(
+        type(n) is str for n in param_names
+    ):
+        return [param_names]  # one ref, one flat list of names (miles' call): nothing to split
+    if isinstance(param_names, (str, bytes)) or not isinstance(param_names, abc.Sequence):
         raise WeightSyncError(
             f"param_names must be a list of names (or one list per ref), got {type(param_names).__name__}"
         )
     total = sum(counts)
     if param_names and all(
-        isinstance(n, Sequence) and not isinstance(n, (str, bytes)) for n in param_names
+        isinstance(n, abc.Sequence) and not isinstance(n, (str, bytes)) for n in param_names
     ):
         groups = [list(g) for g in param_names]
         if len(groups) != len(counts):

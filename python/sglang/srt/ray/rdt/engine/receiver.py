@@ -37,8 +37,10 @@ from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S
 from sglang.srt.ray.rdt.engine.nixl_traps import NixlTrapWarnings
 from sglang.srt.ray.rdt.engine.refs import (
     cuda_ipc_ref,
+    direct_fetch,
     fetch_same_node,
     nixl_job,
+    note_nixl_read,
     ref_tensor_specs,
     ref_writer,
     transport_used,
@@ -51,7 +53,7 @@ from sglang.srt.ray.rdt.engine.registration import (
 )
 from sglang.srt.ray.rdt.engine.update_state import RankUpdateState
 from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
-from sglang.srt.ray.rdt.transport import compat
+from sglang.srt.ray.rdt.transport import compat, nixl_reader
 from sglang.srt.ray.rdt.transport.nixl_progress import configure_nixl_progress_thread
 from sglang.srt.ray.rdt.engine.plan import PlanCache, TensorSpec, check_in_place, group_names
 
@@ -162,6 +164,7 @@ class RdtWeightReceiver:
         with self._lock:
             self._closed = True
         close_cached_mappings()
+        nixl_reader.reader().release()
         gc_pause.resume(GC_HOLDER)
 
     def end_of_update(self, resume_gc: bool = True) -> None:
@@ -238,6 +241,7 @@ class RdtWeightReceiver:
             "registrations": len(self._registration),
             "weights_released": self._weights_released,
             "registration_disabled_reason": self._registration.disabled_reason,
+            "nixl_reads": nixl_reader.reader().status(),
         }
 
     # ------------------------------------------------------------------ #
@@ -337,6 +341,10 @@ class RdtWeightReceiver:
                 mark = now
 
             specs = [self._specs(r, timeout_s) for r in refs]
+            # Ray's record of each ref, looked up once (after _specs: it may
+            # have waited for the transport metadata to arrive)
+            metas = [compat.rdt_metadata(r) for r in refs]
+            direct = direct_fetch()
             lap("metadata")
             names = group_names(param_names, [len(s) for s in specs])
             # Read over CUDA IPC, a reused plan's targets are checked against
@@ -346,7 +354,7 @@ class RdtWeightReceiver:
             # copy into a target that stopped being live writes no other
             # memory; the pull then fails and the rank reports itself
             # inconsistent until an update lands.
-            defer = all(map(cuda_ipc_ref, refs))
+            defer = all(cuda_ipc_ref(r, m, direct) for r, m in zip(refs, metas))
             plan, walked, reused = self._plans.plan(specs, names, check_live=not defer)
             targets = plan.targets
             unchecked = defer and reused
@@ -356,7 +364,7 @@ class RdtWeightReceiver:
                 warn_if_expandable_segments([t for ts in targets for t in ts])
             lap("registration")
             nbytes, ntensors = plan.nbytes, plan.count
-            writes = [(ns, ref_writer(r)) for ns, r in zip(names, refs)]
+            writes = [(ns, ref_writer(r, m)) for ns, r, m in zip(names, refs, metas)]
             self._nixl_traps.before_pull(refs, writes)
             self.state.admit(writes)  # no parameter written by two writers
             lap("admit")
@@ -380,26 +388,31 @@ class RdtWeightReceiver:
                 # `targets` stays referenced here until it returns.
                 results: List[Any] = [None] * len(refs)
                 rest, nixl = [], []
-                for i, (ref, ts) in enumerate(zip(refs, targets)):
+                for i, (ref, ts, meta) in enumerate(zip(refs, targets, metas)):
                     # (the first read that starts runs the check during its copy)
-                    got = fetch_same_node(ref, ts, while_copying=check_live if unchecked else None)
+                    got = fetch_same_node(ref, ts, while_copying=check_live if unchecked else None,
+                                          meta=meta, direct=direct)
                     if got is not None:
                         results[i] = got
                         continue
-                    job = nixl_job(ref, ts)
+                    job = nixl_job(ref, ts, meta, direct)
                     if job is None:
                         rest.append(i)
                     else:
-                        nixl.append((i, job))
+                        nixl.append((i, *job))
                 if unchecked and (nixl or rest):
                     check_live(written=False)  # before another path writes anything
                 if nixl:
-                    read = compat.nixl_read([job for _, job in nixl], timeout_s)
-                    for (i, _), got in zip(nixl, read):
+                    t_nixl = time.perf_counter()
+                    read = nixl_reader.read([job for _, job, _ in nixl], timeout_s)
+                    t_nixl = time.perf_counter() - t_nixl
+                    for (i, _, why), got in zip(nixl, read):
                         if got is None:
                             rest.append(i)
                         else:
                             results[i] = got
+                            if why is not None:  # an SGLANG_IPC ref read through its NIXL part
+                                note_nixl_read(refs[i], why, got, t_nixl)
                 lap("direct")
                 if rest:
                     for i in rest:
@@ -434,7 +447,7 @@ class RdtWeightReceiver:
                 ) from e
             t_fetch = time.perf_counter() - t1
             lap("transfer")
-            transports = sorted({transport_used(r) for r in refs})
+            transports = sorted({transport_used(r, m) for r, m in zip(refs, metas)})
             if "nixl" in transports:
                 self._nixl_traps.after_pull(nbytes, t_fetch, writes)
             problem = check_in_place(results, targets, names)

@@ -16,9 +16,15 @@ from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.transport import compat
 
 
-def transport_used(ref) -> str:
+# Every function here that reads Ray's record of a ref takes it as ``meta``
+# when the caller looked it up already (a pull looks each ref up once), else
+# looks it up itself.
+_LOOKUP = object()
+
+
+def transport_used(ref, meta=_LOOKUP) -> str:
     """Which path a finished fetch of ``ref`` took: nixl | cuda_ipc | ..."""
-    meta = compat.rdt_metadata(ref)
+    meta = compat.rdt_metadata(ref) if meta is _LOOKUP else meta
     backend = (meta.tensor_transport_backend if meta else "nixl").upper()
     if backend == "SGLANG_IPC":
         from sglang.srt.ray.rdt.transport import sglang_ipc
@@ -29,13 +35,13 @@ def transport_used(ref) -> str:
     return backend.lower()
 
 
-def ref_writer(ref) -> Writer:
+def ref_writer(ref, meta=_LOOKUP) -> Writer:
     """Who put ``ref``: its RDT source actor, or the driver process that put it.
 
     Taken from Ray's own record of the object (the caller cannot omit or
     choose it), so two trainer processes are always two writers.
     """
-    meta = compat.rdt_metadata(ref)
+    meta = compat.rdt_metadata(ref) if meta is _LOOKUP else meta
     src = getattr(meta, "src_actor", None)
     actor_id = getattr(src, "_actor_id", None)
     if actor_id is not None:
@@ -77,26 +83,26 @@ def ref_tensor_specs(ref, timeout_s: float) -> List[TensorSpec]:
     return [TensorSpec.of(entry) for entry in transport_meta.tensor_meta]
 
 
-def _transport_meta(ref, backend: str):
+def _transport_meta(ref, backend: str, meta=_LOOKUP):
     """The tensor-transport metadata of a ref put with ``backend`` (upper
     case), or None (another transport, or not there yet)."""
-    meta = compat.rdt_metadata(ref)
+    meta = compat.rdt_metadata(ref) if meta is _LOOKUP else meta
     if meta is None or meta.tensor_transport_backend.upper() != backend:
         return None
     return meta.tensor_transport_meta
 
 
-def fetch_same_node(ref, targets, copy: bool = True, while_copying=None) -> Optional[List[Any]]:
+def fetch_same_node(ref, targets, copy: bool = True, while_copying=None, meta=_LOOKUP,
+                    direct: Optional[bool] = None) -> Optional[List[Any]]:
     """Fetch an ``SGLANG_IPC`` ref into ``targets`` over the same-node path
     directly (no ``ray.get``); None when that path does not serve it here
     (``SGLANG_RDT_DIRECT_FETCH=0``: never). ``copy=False``: open what the
     fetch needs, write nothing. ``while_copying``: see
-    :meth:`SglangIpcTransport.fetch_same_node`."""
-    from sglang.srt.environ import envs
-
-    if not envs.SGLANG_RDT_DIRECT_FETCH.get():
+    :meth:`SglangIpcTransport.fetch_same_node`. ``direct``: the value of
+    ``SGLANG_RDT_DIRECT_FETCH`` when the caller read it already."""
+    if not (direct_fetch() if direct is None else direct):
         return None
-    tm = _transport_meta(ref, SGLANG_IPC)
+    tm = _transport_meta(ref, SGLANG_IPC, meta)
     if tm is None:
         return None
     from sglang.srt.ray.rdt.transport import sglang_ipc
@@ -105,30 +111,54 @@ def fetch_same_node(ref, targets, copy: bool = True, while_copying=None) -> Opti
                                                   while_copying=while_copying)
 
 
-def cuda_ipc_ref(ref) -> bool:
+def direct_fetch() -> bool:
+    """``SGLANG_RDT_DIRECT_FETCH``: reads without ``ray.get`` are allowed."""
+    from sglang.srt.environ import envs
+
+    return envs.SGLANG_RDT_DIRECT_FETCH.get()
+
+
+def cuda_ipc_ref(ref, meta=_LOOKUP, direct: Optional[bool] = None) -> bool:
     """Whether a pull reads ``ref`` with :func:`fetch_same_node` over CUDA IPC
     when this node can: an ``SGLANG_IPC`` ref of GPU tensors (and direct
     fetches are on)."""
-    from sglang.srt.environ import envs
-
-    return (getattr(_transport_meta(ref, SGLANG_IPC), "ipc", None) is not None
-            and envs.SGLANG_RDT_DIRECT_FETCH.get())
+    return (getattr(_transport_meta(ref, SGLANG_IPC, meta), "ipc", None) is not None
+            and (direct_fetch() if direct is None else direct))
 
 
-def nixl_job(ref, targets):
-    """``(object id, NIXL metadata, targets)`` for :func:`compat.nixl_read`
-    when a NIXL ref can be read without ``ray.get`` here, else None (not a
-    NIXL ref, metadata not there yet, or ``SGLANG_RDT_DIRECT_FETCH=0``).
-    ``ray.get`` costs a round trip to the ref's owner and polls the transfer
-    every 1 ms; the same read through this process's NIXL agent does not."""
-    from sglang.srt.environ import envs
-
-    if not targets or not envs.SGLANG_RDT_DIRECT_FETCH.get():
+def nixl_job(ref, targets, meta=_LOOKUP, direct: Optional[bool] = None):
+    """``((object id, NIXL metadata, targets), why)`` for
+    :func:`nixl_reader.read` when the ref can be read through NIXL without
+    ``ray.get`` here, else None (no NIXL metadata, metadata not there yet, or
+    ``SGLANG_RDT_DIRECT_FETCH=0``). ``why`` is None for a NIXL ref; for an
+    ``SGLANG_IPC`` ref (asked after :func:`fetch_same_node` returned None):
+    why its same-node path does not serve it here — pass it to
+    :func:`note_nixl_read` once read. ``ray.get`` costs a round trip to the
+    ref's owner and polls the transfer every 1 ms; the same read through
+    this process's NIXL agent does not."""
+    if not targets or not (direct_fetch() if direct is None else direct):
         return None
-    tm = _transport_meta(ref, "NIXL")
+    meta = compat.rdt_metadata(ref) if meta is _LOOKUP else meta
+    tm = _transport_meta(ref, "NIXL", meta)
+    if tm is not None:
+        return (ref.hex(), tm, targets), None
+    tm = _transport_meta(ref, SGLANG_IPC, meta)
     if tm is None:
         return None
-    return ref.hex(), tm, targets
+    from sglang.srt.ray.rdt.transport import sglang_ipc
+
+    part = sglang_ipc.transport().nixl_part(tm, targets)
+    if part is None:
+        return None
+    return (ref.hex(), part[0], targets), part[1]
+
+
+def note_nixl_read(ref, why: str, targets, seconds: float) -> None:
+    """Record that an ``SGLANG_IPC`` ref was read through its NIXL part
+    (:func:`transport_used` then says ``nixl (why)``)."""
+    from sglang.srt.ray.rdt.transport import sglang_ipc
+
+    sglang_ipc.transport().note_nixl_read(ref.hex(), why, targets, seconds)
 
 
 def same_node_sender(ref) -> Optional[str]:

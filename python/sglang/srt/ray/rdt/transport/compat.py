@@ -130,53 +130,35 @@ def nixl_communicator_metadata():
     return NixlCommunicatorMetadata()
 
 
-def nixl_read(jobs, timeout_s: float):
-    """Read RDT objects' tensors into their targets with this process's NIXL
-    manager, as ``ray.get`` would after ``set_target_for_ref`` — without each
-    object's round trip to its owner, and polling the transfers more finely
-    than Ray's 1 ms. ``jobs``: ``[(object id, NIXL metadata, targets)]``; all
-    are posted, then waited for together. Returns, per job, the targets, or
-    None for a read that failed before anything was posted (nothing written:
-    ``ray.get`` can still fetch it, or say why not). Raises ``TimeoutError``
-    after ``timeout_s`` and ``RuntimeError`` when a posted transfer broke
-    (bytes may have landed)."""
-    import time
+def ray_nixl_remote_agent_cache_size() -> int:
+    """How many remote agents Ray's NIXL manager keeps loaded (0: it removes
+    each after its read)."""
+    from ray._private import ray_constants
 
-    mgr = transport_manager("NIXL")
-    comm = nixl_communicator_metadata()
-    out, posted = [None] * len(jobs), []
-    for i, (obj_id, meta, targets) in enumerate(jobs):
-        try:
-            req = mgr.fetch_multiple_tensors(obj_id, meta, comm, targets)
-        except Exception:
-            continue  # not posted: the caller falls back to ray.get
-        if req.tensors:
-            posted.append((i, obj_id, req))
-        else:
-            out[i] = req.tensors
-    if posted:
-        agent = mgr.get_nixl_agent()
-        deadline = time.monotonic() + timeout_s
-        pause = 2e-5
-        while posted:
-            waiting = []
-            for i, obj_id, req in posted:
-                state = agent.check_xfer_state(req.xfer_handle)
-                if state == "DONE":
-                    out[i] = req.tensors
-                elif state == "ERR":
-                    raise RuntimeError(f"the NIXL read of object {obj_id} failed mid-transfer "
-                                       "(the sender may have died during it)")
-                else:
-                    waiting.append((i, obj_id, req))
-            posted = waiting
-            if posted:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"the NIXL read of {len(posted)} object(s) took more "
-                                       f"than {timeout_s:.0f} s")
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-    return out
+    return int(getattr(ray_constants, "NIXL_REMOTE_AGENT_CACHE_MAXSIZE", 0))
+
+
+def ray_nixl_remote_agents(mgr):
+    """Ray's NIXL manager's cache of loaded remote agents: an OrderedDict of
+    agent name → metadata version, least recently used first."""
+    return mgr._remote_agents
+
+
+def ray_nixl_registered(mgr, tensor) -> bool:
+    """Whether ``tensor``'s storage is registered with Ray's NIXL agent."""
+    return mgr._tensor_memory_registered(tensor)
+
+
+def ray_nixl_packing():
+    """How Ray's NIXL put packs tensors into descriptors:
+    ``(TensorLayout, packed_offsets, group_tensors_by_desc)``."""
+    from ray.experimental.rdt.nixl_memory_pool import (
+        TensorLayout,
+        group_tensors_by_desc,
+        packed_offsets,
+    )
+
+    return TensorLayout, packed_offsets, group_tensors_by_desc
 
 
 # --------------------------------------------------------------------------- #

@@ -55,7 +55,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from sglang.srt.ray.rdt.transport import compat
 from sglang.srt.ray.rdt.transport.cma import CmaPath
@@ -296,6 +296,26 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
         if copy:
             self._done(info)
         return out
+
+    def nixl_part(self, meta, targets) -> Optional[Tuple[Any, str]]:
+        """``(NIXL metadata, why)`` of a ref this process reads through NIXL
+        because the same-node path does not serve it here (after
+        :meth:`fetch_same_node` returned None), so that the caller can read
+        it without Ray's fetch (:mod:`.nixl_reader`). None when the ref has
+        no NIXL metadata (``ray.get`` then says why it cannot be read)."""
+        if not isinstance(meta, SglangIpcTransportMetadata) or meta.nixl is None or not meta.tensor_meta:
+            return None
+        path = self.cma if meta.cma is not None else self.cuda_ipc
+        why = path.unusable(meta, targets, self.node_id()) or "the same-node read was refused"
+        if why not in self._warned:
+            self._warned.add(why)
+            logger.info("[RDT] %s: reading through NIXL (%s)", TRANSPORT_NAME, why)
+        return meta.nixl, why
+
+    def note_nixl_read(self, obj_id: str, why: str, targets, seconds: float) -> None:
+        """Record a read of a ref's NIXL part made by the caller (:meth:`nixl_part`)."""
+        self._done(FetchInfo(obj_id=obj_id, path="nixl", reason=why, tensors=len(targets),
+                             bytes=sum(t.nbytes for t in targets), seconds=seconds))
 
     def send_multiple_tensors(self, tensors, tensor_transport_metadata, communicator_metadata):
         raise NotImplementedError(f"{TRANSPORT_NAME} is one-sided")

@@ -1,0 +1,155 @@
+"""The NIXL reader (transport/nixl_reader.py) against real Ray + NIXL on CPU.
+
+A rank that pulls from the same sender memory again reuses its NIXL transfer
+request: one post, no notification to the sender. Every way the request's
+records can go away under it (the sender deregistering memory, Ray dropping
+the remote agent from its cache, the rank deregistering its parameters) must
+release it first, and every pull must still land exactly its bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import wait_until
+from rdt_actors import BucketTrainer, ToyRank, toy_model
+
+DIRECT = "SGLANG_RDT_DIRECT_FETCH"
+
+
+def _weights(seed: int):
+    m = toy_model(seed)
+    names = [n for n, _ in m.named_parameters()]
+    return names, [p.detach().clone() for _, p in m.named_parameters()]
+
+
+def _pull_and_check(ray, rank, trainer, seed: int):
+    names, new = _weights(seed)
+    ptrs = ray.get(rank.pointers.remote())
+    (ref,) = ray.get(trainer.put.remote(new))
+    stats = ray.get(rank.pull.remote([ref], names), timeout=60)
+    state = ray.get(rank.state.remote())
+    assert all(torch.equal(state[n], t) for n, t in zip(names, new)), f"seed {seed}: wrong bytes"
+    assert ray.get(rank.pointers.remote()) == ptrs
+    return stats
+
+
+def _update(ray, rank, trainer, seed: int):
+    """One whole update from ``trainer`` (two trainers may not write the same
+    parameters within one update)."""
+    stats = _pull_and_check(ray, rank, trainer, seed)
+    ray.get(rank.finalize.remote(), timeout=60)
+    return stats
+
+
+def _reads(ray, rank):
+    return ray.get(rank.status.remote())["nixl_reads"]
+
+
+@pytest.fixture(scope="module")
+def reader_rank(ray_client):
+    rank = ToyRank.remote(seed=0)
+    yield rank
+    ray_client.kill(rank)
+
+
+@pytest.fixture
+def bucket_pair(ray_client, reader_rank):
+    ray = ray_client
+    ray.get(reader_rank.reset.remote(0), timeout=60)
+    assert ray.get(reader_rank.register.remote())["registered"] is True
+    trainer = BucketTrainer.remote()
+    yield ray, reader_rank, trainer
+    ray.get(reader_rank.set_env.remote(DIRECT, None))
+    ray.kill(trainer)
+
+
+def test_pulls_from_the_same_bucket_reuse_one_transfer_request(bucket_pair):
+    ray, rank, trainer = bucket_pair
+    before = _reads(ray, rank)
+    first = _pull_and_check(ray, rank, trainer, 1)
+    assert first["direct_refs"] == 1 and first["transport"] == "nixl"
+    after_first = _reads(ray, rank)
+    assert after_first["made"] == before["made"] + 1
+    for seed in (2, 3, 4):  # new refs, new bytes, the same sender memory
+        _pull_and_check(ray, rank, trainer, seed)
+    now = _reads(ray, rank)
+    assert now["made"] == after_first["made"]
+    assert now["reused"] == after_first["reused"] + 3
+    assert now["through_ray"] == before["through_ray"]
+
+
+def test_reused_reads_send_the_sender_no_notification(bucket_pair):
+    """Ray's own read notifies the sender (which never reads it); a kept
+    request posts none. A read through Ray's path afterwards is the marker:
+    once its notification has arrived, it must be the only one."""
+    ray, rank, trainer = bucket_pair
+    ray.get(trainer.notifications.remote())  # drained
+    for seed in (5, 6, 7):
+        _pull_and_check(ray, rank, trainer, seed)
+    ray.get(rank.set_env.remote(DIRECT, "0"))  # ray.get: Ray's NIXL read, with its notification
+    stats = _pull_and_check(ray, rank, trainer, 8)
+    assert stats["direct_refs"] == 0
+    seen = []
+    wait_until(lambda: seen.append(ray.get(trainer.notifications.remote())) or sum(seen) >= 1,
+               timeout=30, what="the marker read's notification at the sender")
+    assert sum(seen) == 1, f"the sender got {sum(seen)} notifications for 1 read through Ray"
+
+
+def test_sender_registering_new_memory_releases_the_old_request(bucket_pair):
+    ray, rank, trainer = bucket_pair
+    _pull_and_check(ray, rank, trainer, 9)
+    before = _reads(ray, rank)
+    ray.get(trainer.new_buffer.remote())
+    # The new refs carry the sender's next metadata version: the agent is
+    # loaded again, and the request made against the old one released first.
+    _pull_and_check(ray, rank, trainer, 10)
+    now = _reads(ray, rank)
+    assert now["made"] == before["made"] + 1
+    assert now["released"] >= before["released"] + 1
+    _pull_and_check(ray, rank, trainer, 11)
+    assert _reads(ray, rank)["reused"] == now["reused"] + 1
+
+
+def test_rank_deregistering_its_parameters_releases_every_request(bucket_pair):
+    ray, rank, trainer = bucket_pair
+    _pull_and_check(ray, rank, trainer, 12)
+    assert _reads(ray, rank)["kept"] >= 1
+    assert ray.get(rank.deregister.remote()) >= 1  # NIXL deregistration: released first
+    assert _reads(ray, rank)["kept"] == 0
+    # Unregistered targets: read through Ray's manager (it registers them itself)
+    before = _reads(ray, rank)
+    stats = _pull_and_check(ray, rank, trainer, 13)
+    assert stats["direct_refs"] == 1
+    now = _reads(ray, rank)
+    assert now["through_ray"] == before["through_ray"] + 1 and now["made"] == before["made"]
+
+
+def test_remote_agent_dropped_by_rays_cache_is_never_read_through_again(ray_client):
+    """With room for one remote agent in Ray's cache, a read from a second
+    sender through Ray's own path drops the first sender's agent. The kept
+    request made against it must be released before that, and the next pull
+    from the first sender must make a new one — and land its bytes."""
+    ray = ray_client
+    rank = ToyRank.options(
+        runtime_env={"env_vars": {"RAY_NIXL_REMOTE_AGENT_CACHE_MAXSIZE": "1"}}).remote(seed=0)
+    a, b = BucketTrainer.remote(), BucketTrainer.remote()
+    try:
+        assert ray.get(rank.register.remote(), timeout=120)["registered"] is True
+        _update(ray, rank, a, 21)
+        assert _reads(ray, rank)["kept"] == 1
+        ray.get(rank.set_env.remote(DIRECT, "0"))
+        _update(ray, rank, b, 22)  # Ray's read: evicts a's agent
+        after_ray = _reads(ray, rank)
+        assert after_ray["kept"] == 0 and after_ray["released"] == 1
+        ray.get(rank.set_env.remote(DIRECT, None))
+        _update(ray, rank, a, 23)
+        _update(ray, rank, b, 24)  # the reader's own load evicts a's again
+        _update(ray, rank, a, 25)
+        now = _reads(ray, rank)
+        assert now["made"] == 4 and now["reused"] == 0 and now["released"] == 3
+        assert now["kept"] == 1
+    finally:
+        for actor in (rank, a, b):
+            ray.kill(actor)

@@ -100,6 +100,12 @@ class ToyRank:
     def deregister(self):
         return self.receiver.deregister()
 
+    def set_reader_max_kept(self, n: int):
+        from sglang.srt.ray.rdt.transport import nixl_reader
+
+        old, nixl_reader.reader().max_kept = nixl_reader.reader().max_kept, n
+        return old
+
     def pull(self, refs, names, timeout_s=None):
         return self.receiver.pull(refs, names, timeout_s)
 
@@ -276,9 +282,10 @@ class BucketTrainer:
         self.buf = torch.zeros(nbytes, dtype=torch.uint8)
         ray.experimental.register_nixl_memory(self.buf)
 
-    def put(self, tensors: List[torch.Tensor]):
-        """Copy ``tensors`` into the buffer back to back and put the views."""
-        views, offset = [], 0
+    def put(self, tensors: List[torch.Tensor], offset: int = 0):
+        """Copy ``tensors`` into the buffer back to back (from byte
+        ``offset``) and put the views."""
+        views = []
         for t in tensors:
             view = self.buf[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
             view.copy_(t)
@@ -294,6 +301,14 @@ class BucketTrainer:
         self.buf = torch.zeros(self.nbytes, dtype=torch.uint8)
         ray.experimental.register_nixl_memory(self.buf)
         return self.buf.data_ptr() != old
+
+    def bump_version(self):
+        """Register and deregister a scratch tensor: the sender's NIXL
+        metadata version moves on while the buffer stays registered."""
+        scratch = torch.zeros(4096, dtype=torch.uint8)
+        ray.experimental.register_nixl_memory(scratch)
+        ray.experimental.deregister_nixl_memory(scratch)
+        return True
 
     def notifications(self) -> int:
         """NIXL notifications this process's agent received since the last call."""

@@ -85,9 +85,12 @@ def test_reused_reads_send_the_sender_no_notification(bucket_pair):
     request posts none. A read through Ray's path afterwards is the marker:
     once its notification has arrived, it must be the only one."""
     ray, rank, trainer = bucket_pair
+    _pull_and_check(ray, rank, trainer, 4)
     ray.get(trainer.notifications.remote())  # drained
+    before = _reads(ray, rank)
     for seed in (5, 6, 7):
         _pull_and_check(ray, rank, trainer, seed)
+    assert _reads(ray, rank)["reused"] == before["reused"] + 3
     ray.get(rank.set_env.remote(DIRECT, "0"))  # ray.get: Ray's NIXL read, with its notification
     stats = _pull_and_check(ray, rank, trainer, 8)
     assert stats["direct_refs"] == 0
@@ -153,3 +156,50 @@ def test_remote_agent_dropped_by_rays_cache_is_never_read_through_again(ray_clie
     finally:
         for actor in (rank, a, b):
             ray.kill(actor)
+
+
+def _pull_refs_and_check(ray, rank, trainer, seed: int, per_ref: int, between=None):
+    """One pull of several refs, ``per_ref`` parameters each, put one after
+    the other from consecutive parts of the trainer's buffer."""
+    names, new = _weights(seed)
+    refs, offset = [], 0
+    for k in range(0, len(names), per_ref):
+        if k and between is not None:
+            between()
+        (ref,) = ray.get(trainer.put.remote(new[k : k + per_ref], offset))
+        refs.append(ref)
+        offset += sum(t.nbytes for t in new[k : k + per_ref])
+    groups = [names[k : k + per_ref] for k in range(0, len(names), per_ref)]
+    stats = ray.get(rank.pull.remote(refs, groups), timeout=60)
+    assert stats["direct_refs"] == len(refs)
+    state = ray.get(rank.state.remote())
+    assert all(torch.equal(state[n], t) for n, t in zip(names, new)), f"seed {seed}: wrong bytes"
+    return stats
+
+
+def test_refs_of_two_sender_versions_in_one_pull_all_land(bucket_pair):
+    """The sender deregisters memory between two puts: the second ref needs
+    the remote agent's newer metadata, which releases the request made for
+    the first. Both are read (in two rounds), never a request in flight."""
+    ray, rank, trainer = bucket_pair
+    before = _reads(ray, rank)
+    _pull_refs_and_check(ray, rank, trainer, 31, per_ref=2,
+                         between=lambda: ray.get(trainer.bump_version.remote()))
+    now = _reads(ray, rank)
+    assert now["made"] == before["made"] + 3  # ref 0, ref 1, ref 0 again in round 2
+    assert now["released"] >= before["released"] + 1
+    assert now["through_ray"] == before["through_ray"]
+    ray.get(rank.finalize.remote(), timeout=60)
+    _pull_refs_and_check(ray, rank, trainer, 32, per_ref=2)  # one version again: both land
+
+
+def test_more_refs_in_one_pull_than_kept_requests(bucket_pair):
+    ray, rank, trainer = bucket_pair
+    old = ray.get(rank.set_reader_max_kept.remote(1))
+    try:
+        _pull_refs_and_check(ray, rank, trainer, 33, per_ref=1)  # 4 refs, room for 1
+        _pull_refs_and_check(ray, rank, trainer, 34, per_ref=1)
+        _pull_and_check(ray, rank, trainer, 35)
+        assert _reads(ray, rank)["kept"] == 1
+    finally:
+        ray.get(rank.set_reader_max_kept.remote(old))

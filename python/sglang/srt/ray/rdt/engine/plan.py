@@ -51,7 +51,7 @@ def group_names(param_names: NamesArg, counts: Sequence[int]) -> List[List[str]]
     if type(param_names) is list and len(counts) == 1 and len(param_names) == counts[0] and all(
         type(n) is str for n in param_names
     ):
-        return [param_names]  # one ref, one flat list of names (miles' call): nothing to split
+        return [list(param_names)]  # one ref, one flat list of names (miles' call)
     if isinstance(param_names, (str, bytes)) or not isinstance(param_names, abc.Sequence):
         raise WeightSyncError(
             f"param_names must be a list of names (or one list per ref), got {type(param_names).__name__}"

@@ -35,6 +35,9 @@ def transport_used(ref, meta=_LOOKUP) -> str:
     return backend.lower()
 
 
+_actor_writers: dict = {}  # ActorID -> Writer (its label costs a few us to build)
+
+
 def ref_writer(ref, meta=_LOOKUP) -> Writer:
     """Who put ``ref``: its RDT source actor, or the driver process that put it.
 
@@ -45,8 +48,14 @@ def ref_writer(ref, meta=_LOOKUP) -> Writer:
     src = getattr(meta, "src_actor", None)
     actor_id = getattr(src, "_actor_id", None)
     if actor_id is not None:
-        label = f"actor {compat.actor_class_name(src) or 'Actor'}({actor_id.hex()[:12]})"
-        return Writer(f"actor:{actor_id.hex()}", label)
+        writer = _actor_writers.get(actor_id)
+        if writer is None:  # a trainer actor puts every bucket of every update
+            label = f"actor {compat.actor_class_name(src) or 'Actor'}({actor_id.hex()[:12]})"
+            writer = Writer(f"actor:{actor_id.hex()}", label)
+            if len(_actor_writers) >= 64:
+                _actor_writers.pop(next(iter(_actor_writers)))
+            _actor_writers[actor_id] = writer
+        return writer
     worker, ip = compat.ref_owner(ref)
     return Writer(f"worker:{worker}", f"driver worker {worker[:12]} at {ip}")
 

@@ -133,9 +133,9 @@ def nixl_communicator_metadata():
 def ray_nixl_remote_agent_cache_size() -> int:
     """How many remote agents Ray's NIXL manager keeps loaded (0: it removes
     each after its read)."""
-    from ray._private import ray_constants
+    from ray.experimental.rdt import nixl_tensor_transport  # the value Ray's reads use
 
-    return int(getattr(ray_constants, "NIXL_REMOTE_AGENT_CACHE_MAXSIZE", 0))
+    return int(getattr(nixl_tensor_transport, "NIXL_REMOTE_AGENT_CACHE_MAXSIZE", 0))
 
 
 def ray_nixl_remote_agents(mgr):

@@ -28,7 +28,13 @@ reference count ends, and removes a remote agent whose metadata version
 changed (the sender deregistered memory) or that falls out of its cache.
 The reader therefore wraps the agent's ``deregister_memory`` and
 ``remove_remote_agent``: before either runs, the requests it would leave
-dangling are released. A request that failed or timed out is dropped.
+dangling are released — a request in flight once its read is done with it
+(the caller waits for that). Within one read, every request is made before
+any is posted, so the reader's own loading of a remote agent never releases
+a request in flight (a job whose request that released is read in a next
+round). A request that failed or timed out is dropped; one that cannot be
+posted (stale) is dropped with its remote agent's others, and its job read
+through Ray's manager.
 
 Contract of :meth:`NixlReader.read`: each job's targets match its ref's
 tensors (count, byte size, element size, contiguous) — the receiver's plan
@@ -52,22 +58,38 @@ logger = logging.getLogger(__name__)
 # a rank keeps one per (bucket layout, sender memory); a few updates' worth.
 MAX_KEPT = 256
 
+# A kept request's states. IDLE: in the cache, not in use. ACQUIRED: taken by
+# a read that has not posted it yet (a removal may still release it: the read
+# then takes that job in its next round). BUSY: posted (or about to be) by a
+# read; a removal from another thread waits until the read is done with it.
+IDLE, ACQUIRED, BUSY = "idle", "acquired", "busy"
+
 
 class _Kept:
-    __slots__ = ("handle", "remote", "nbytes")
+    __slots__ = ("handle", "remote", "nbytes", "state", "dead")
 
     def __init__(self, handle, remote: str, nbytes: int):
         self.handle = handle
         self.remote = remote
         self.nbytes = nbytes
+        self.state = IDLE
+        self.dead = False  # released, or to be released once its read is done
 
 
 class NixlReader:
-    """Reads RDT NIXL objects into their targets through this process's Ray NIXL agent."""
+    """Reads RDT NIXL objects into their targets through this process's Ray NIXL agent.
+
+    Locks: ``_read_lock`` makes reads one at a time; ``_lock`` guards the
+    kept requests and their states and is held only for bookkeeping and
+    NIXL's own (non-blocking) calls — never while waiting for a transfer or
+    calling into Ray's manager, whose lock the wrapped agent methods may be
+    called under."""
 
     def __init__(self, max_kept: int = MAX_KEPT):
         self.max_kept = max_kept
+        self._read_lock = threading.Lock()
         self._lock = threading.RLock()
+        self._done_with = threading.Condition(self._lock)  # a BUSY request became IDLE
         self._kept: "OrderedDict[tuple, _Kept]" = OrderedDict()
         self._hooked_agent = None
         self._mgr = None  # Ray's NIXL manager of this process (one per process)
@@ -80,133 +102,235 @@ class NixlReader:
     def read(self, jobs: Sequence[Tuple[str, Any, List[Any]]], timeout_s: float) -> List[Optional[list]]:
         """Read RDT objects' tensors into their targets.
 
-        ``jobs``: ``[(object id, NIXL transport metadata, targets)]``. All
-        reads are posted, then waited for together. Returns, per job, the
-        targets, or None for a read that failed before anything was posted
-        (nothing written: ``ray.get`` can still fetch it, or say why not).
-        Raises ``TimeoutError`` after ``timeout_s`` and ``RuntimeError`` when
-        a posted read broke (some bytes may have landed)."""
+        ``jobs``: ``[(object id, NIXL transport metadata, targets)]``.
+        Returns, per job, the targets, or None for a read that failed before
+        anything was posted (nothing written: ``ray.get`` can still fetch it,
+        or say why not). Raises ``TimeoutError`` after ``timeout_s`` and
+        ``RuntimeError`` when a posted read broke (some bytes may have landed).
+
+        Jobs with a kept (or new) request are posted together and waited for
+        together, in rounds: all requests of a round are made before any is
+        posted, so loading a remote agent's newer metadata (which releases
+        the requests made against the older one) never pulls the ground from
+        under a posted read; a job whose request that released waits for the
+        next round. The rest go through Ray's manager at the end."""
         out: List[Optional[list]] = [None] * len(jobs)
-        with self._lock:
-            mgr = self._mgr
-            if mgr is None:
-                mgr = self._mgr = compat.transport_manager("NIXL")
-                self._cache_size = compat.ray_nixl_remote_agent_cache_size()
-            agent = mgr.get_nixl_agent()
-            self._hook(agent)
-            posted = []  # (index, object id, handle, kept key or None, Ray's request or None)
-            used = set()
+        deadline = time.monotonic() + timeout_s
+        with self._read_lock:
+            with self._lock:
+                mgr = self._mgr
+                if mgr is None:
+                    mgr = self._mgr = compat.transport_manager("NIXL")
+                    self._cache_size = compat.ray_nixl_remote_agent_cache_size()
+                agent = mgr.get_nixl_agent()
+                self._hook(agent)
+            pending = []
+            for i, (_, _, targets) in enumerate(jobs):
+                if targets:
+                    pending.append(i)
+                else:
+                    out[i] = targets
+            through_ray: List[int] = []
             try:
-                for i, (obj_id, meta, targets) in enumerate(jobs):
-                    if not targets:
-                        out[i] = targets
-                        continue
-                    key = self._key(meta, targets)
-                    handle = None
-                    if key is not None and key not in used:
-                        try:
-                            handle = self._request(mgr, agent, key, meta, targets)
-                        except Exception as e:  # nothing posted: Ray's read may still serve it
-                            logger.debug("[RDT] no kept NIXL request for %s: %s", obj_id, e)
-                    if handle is not None:
-                        used.add(key)
-                        posted.append((i, obj_id, handle, key, None))
-                        if self._post(agent, handle, obj_id):
-                            posted.pop()  # done at once (a small read)
-                            out[i] = targets
-                        continue
-                    request = self._through_ray(mgr, obj_id, meta, targets)
-                    if request is not None:
-                        posted.append((i, obj_id, request.xfer_handle, None, request))
-                self._wait(agent, posted, out, jobs, timeout_s)
+                while pending:
+                    batch, pending, to_ray = self._acquire(mgr, agent, jobs, pending)
+                    through_ray += to_ray
+                    if batch:
+                        through_ray += self._run(agent, jobs, batch, out, deadline, timeout_s)
+                if through_ray:
+                    self._read_through_ray(mgr, agent, jobs, sorted(through_ray), out, deadline,
+                                           timeout_s)
             except BaseException:
-                for _, _, _, key, _ in posted:
-                    if key is not None:
-                        self._drop(key)  # a request that broke or may still run is never posted again
                 self.counts["failed"] += 1
                 raise
         return out
 
-    @staticmethod
-    def _post(agent, handle, obj_id: str) -> bool:
-        """Post a read; whether it is done already."""
-        state = agent.transfer(handle)
-        if state == "ERR":
-            raise RuntimeError(f"the NIXL read of object {obj_id} could not be posted "
-                               "(the sender may have died)")
-        return state == "DONE"
+    def _acquire(self, mgr, agent, jobs, pending):
+        """One round's requests: ``(batch, deferred, through_ray)``. Every
+        request of the batch is BUSY on return (no removal can release it
+        before its read is done)."""
+        acquired: List[Tuple[int, _Kept]] = []
+        deferred, to_ray = [], []
+        with self._lock:
+            keys = set()
+            for i in pending:
+                obj_id, meta, targets = jobs[i]
+                key = self._key(meta, targets)
+                if key is None:
+                    to_ray.append(i)
+                    continue
+                if key in keys:  # the same request twice in one round
+                    deferred.append(i)
+                    continue
+                try:
+                    entry = self._request(mgr, agent, key, meta, targets)
+                except Exception as e:  # nothing posted: Ray's read may still serve it
+                    logger.debug("[RDT] no kept NIXL request for %s: %s", obj_id, e)
+                    entry = None
+                if entry is None:
+                    to_ray.append(i)
+                    continue
+                keys.add(key)
+                entry.state = ACQUIRED
+                acquired.append((i, entry))
+            batch = []
+            for i, entry in acquired:
+                if entry.dead:  # released while this round made its other requests
+                    deferred.append(i)
+                else:
+                    entry.state = BUSY
+                    batch.append((i, entry))
+        if pending and not batch and not to_ray and deferred == pending:
+            # Cannot happen (the last request a round makes is never released
+            # by that round); never loop on it.
+            to_ray, deferred = deferred, []
+        return batch, deferred, to_ray
 
-    @staticmethod
-    def _wait(agent, posted, out, jobs, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+    def _run(self, agent, jobs, batch, out, deadline: float, timeout_s: float) -> List[int]:
+        """Post the batch's requests and wait for them. Returns the jobs whose
+        request could not be posted (for Ray's manager)."""
+        failed_post: List[int] = []
+        broken: Optional[BaseException] = None
+        waiting = []
+        try:
+            for i, entry in batch:
+                try:
+                    state = agent.transfer(entry.handle)
+                except Exception as e:  # NIXL raises on an error status
+                    state, why = "ERR", e
+                else:
+                    why = None
+                if state == "ERR":
+                    # Nothing was posted: the request (and the others made
+                    # against this remote agent) may be stale. Ray's read
+                    # serves the job, loading the agent again if it must.
+                    logger.info("[RDT] a kept NIXL read of object %s could not be posted (%s); "
+                                "reading it through Ray's NIXL manager", jobs[i][0], why)
+                    with self._lock:
+                        self._forget(entry, remote=True)
+                    failed_post.append(i)
+                elif state == "DONE":
+                    out[i] = jobs[i][2]
+                else:
+                    waiting.append((i, entry))
+            pause = 2e-5
+            while waiting:
+                still = []
+                for i, entry in waiting:
+                    try:
+                        state = agent.check_xfer_state(entry.handle)
+                    except Exception:
+                        state = "ERR"
+                    if state == "DONE":
+                        out[i] = jobs[i][2]
+                    elif state == "ERR":
+                        with self._lock:
+                            self._forget(entry, remote=True)
+                        raise RuntimeError(f"the NIXL read of object {jobs[i][0]} failed "
+                                           "mid-transfer (the sender may have died during it)")
+                    else:
+                        still.append((i, entry))
+                waiting = still
+                if waiting:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"the NIXL read of {len(waiting)} object(s) took "
+                                           f"more than {timeout_s:.0f} s")
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
+        except BaseException as e:
+            broken = e
+            raise
+        finally:
+            with self._lock:
+                for _, entry in batch:
+                    if broken is not None and not entry.dead:
+                        # a request that broke, or may still run: never posted again
+                        self._forget(entry)
+                    entry.state = IDLE
+                self._done_with.notify_all()
+                for _, entry in batch:
+                    if entry.dead:
+                        self._release(entry)  # (one removed while its read ran)
+        return failed_post
+
+    def _read_through_ray(self, mgr, agent, jobs, idx, out, deadline: float, timeout_s: float) -> None:
+        """Post reads with Ray's manager (its own requests, released when
+        collected) and wait for them; a read Ray could not post stays None."""
+        posted = []
+        comm = compat.nixl_communicator_metadata()
+        for i in idx:
+            obj_id, meta, targets = jobs[i]
+            self.counts["through_ray"] += 1
+            try:
+                request = mgr.fetch_multiple_tensors(obj_id, meta, comm, targets)
+            except Exception as e:
+                logger.debug("[RDT] NIXL read of %s not posted: %s", obj_id, e)
+                continue
+            posted.append((i, request))
         pause = 2e-5
         while posted:
-            waiting = []
-            for entry in posted:
-                i, obj_id, handle, _, _ = entry
-                state = agent.check_xfer_state(handle)
+            still = []
+            for i, request in posted:
+                try:
+                    state = agent.check_xfer_state(request.xfer_handle)
+                except Exception:  # NIXL raises on an error status
+                    state = "ERR"
                 if state == "DONE":
                     out[i] = jobs[i][2]
                 elif state == "ERR":
-                    raise RuntimeError(f"the NIXL read of object {obj_id} failed mid-transfer "
-                                       "(the sender may have died during it)")
+                    raise RuntimeError(f"the NIXL read of object {jobs[i][0]} failed "
+                                       "mid-transfer (the sender may have died during it)")
                 else:
-                    waiting.append(entry)
-            posted = waiting
+                    still.append((i, request))
+            posted = still
             if posted:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"the NIXL read of {len(posted)} object(s) took more "
                                        f"than {timeout_s:.0f} s")
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
-        # Ray's requests (in the entries, now gone) release themselves.
-
-    def _through_ray(self, mgr, obj_id: str, meta, targets):
-        """Post one read with Ray's manager (its own request, released when
-        the returned request is collected); None when it could not post."""
-        self.counts["through_ray"] += 1
-        try:
-            return mgr.fetch_multiple_tensors(obj_id, meta, compat.nixl_communicator_metadata(), targets)
-        except Exception as e:
-            logger.debug("[RDT] NIXL read of %s not posted: %s", obj_id, e)
-            return None
 
     # ------------------------------------------------------------------ #
-    # Kept requests
+    # Kept requests (under _lock)
     # ------------------------------------------------------------------ #
     def _key(self, meta, targets) -> Optional[tuple]:
         """What a kept request is made from; None when no request may be
         kept (Ray's remote-agent cache off: Ray removes the agent after
-        every read)."""
+        every read). The element sizes place the tensors in the sender's
+        descriptors (each starts at a multiple of its own)."""
         if self._cache_size <= 0:
             return None
         local = tuple((t.data_ptr(), t.nbytes) for t in targets)
+        sizes = tuple(dtype.itemsize for _, dtype in meta.tensor_meta)
         return (meta.nixl_agent_name, meta.nixl_agent_meta_version, meta.nixl_agent_meta,
-                meta.nixl_serialized_descs, meta.tensor_device, targets[0].device.type, local)
+                meta.nixl_serialized_descs, sizes, meta.tensor_device, targets[0].is_cuda, local)
 
-    def _request(self, mgr, agent, key: tuple, meta, targets):
+    def _request(self, mgr, agent, key: tuple, meta, targets) -> Optional[_Kept]:
         """The kept request for ``key``, made now if needed; None when the
         targets are not all registered with NIXL (Ray's read registers and
         deregisters them itself)."""
         kept = self._kept.get(key)
         remote, version = meta.nixl_agent_name, meta.nixl_agent_meta_version
+        cache = compat.ray_nixl_remote_agents(mgr)
         if kept is not None:
-            if compat.ray_nixl_remote_agents(mgr).get(remote) == version:
+            if cache.get(remote) == version:
                 self._kept.move_to_end(key)
-                compat.ray_nixl_remote_agents(mgr).move_to_end(remote)
+                cache.move_to_end(remote)
                 self.counts["reused"] += 1
-                return kept.handle
-            self._drop(key)  # (the removal hook has normally done this already)
+                return kept
+            self._forget(kept)  # (the removal hook has normally done this already)
         if not all(compat.ray_nixl_registered(mgr, t) for t in targets):
             return None
         local_descs, remote_descs = self._descs(agent, meta, targets)
         self._load_remote(mgr, agent, remote, version, meta.nixl_agent_meta)
         handle = agent.initialize_xfer("READ", local_descs, remote_descs, remote, b"")
-        while len(self._kept) >= self.max_kept:
-            self._drop(next(iter(self._kept)))
-        self._kept[key] = _Kept(handle, remote, sum(t.nbytes for t in targets))
+        entry = _Kept(handle, remote, sum(t.nbytes for t in targets))
+        for old_key in [k for k, e in self._kept.items() if e.state == IDLE][
+                : max(0, len(self._kept) + 1 - self.max_kept)]:
+            self._forget(self._kept[old_key])  # least recently used first; none in use
+        self._kept[key] = entry
         self.counts["made"] += 1
-        return handle
+        return entry
 
     @staticmethod
     def _descs(agent, meta, targets):
@@ -251,23 +375,45 @@ class NixlReader:
         cache[remote] = version
         agent.add_remote_agent(agent_meta)
 
-    def _drop(self, key: tuple) -> None:
-        kept = self._kept.pop(key, None)
-        if kept is None:
+    def _forget(self, entry: _Kept, remote: bool = False) -> None:
+        """Take ``entry`` (with ``remote``: every request of its remote
+        agent) out of the cache; released now unless a read is using it (then
+        once that read is done with it)."""
+        entries = [entry]
+        if remote:
+            entries += [e for e in self._kept.values() if e.remote == entry.remote and e is not entry]
+        for e in entries:
+            for k in [k for k, v in self._kept.items() if v is e]:
+                del self._kept[k]
+            if not e.dead:
+                e.dead = True
+                if e.state != BUSY:
+                    self._release(e)
+
+    def _release(self, entry: _Kept) -> None:
+        if entry.handle is None:
             return
+        handle, entry.handle = entry.handle, None
         self.counts["released"] += 1
         try:
-            kept.handle.release()
+            handle.release()
         except Exception as e:  # NIXL keeps a handle it cannot release; never reused
             logger.warning("[RDT] a kept NIXL transfer request could not be released: %s", e)
 
     def release(self, remote: Optional[str] = None) -> int:
-        """Release the kept requests (of one remote agent). Returns how many."""
+        """Release the kept requests (of one remote agent); a request a read
+        is using is released once that read is done with it (this waits for
+        it). Returns how many were taken out of the cache."""
         with self._lock:
-            keys = [k for k, v in self._kept.items() if remote is None or v.remote == remote]
-            for key in keys:
-                self._drop(key)
-            return len(keys)
+            entries = [e for e in self._kept.values() if remote is None or e.remote == remote]
+            for e in entries:
+                self._forget(e)
+            # What the records of the agent are about to lose must not be in
+            # flight: wait for the reads (another thread's) using them.
+            self._done_with.wait_for(lambda: all(e.state != BUSY for e in entries))
+            for e in entries:
+                self._release(e)
+            return len(entries)
 
     # ------------------------------------------------------------------ #
     # What may leave a kept request dangling
@@ -275,6 +421,8 @@ class NixlReader:
     def _hook(self, agent) -> None:
         if self._hooked_agent is agent:
             return
+        if self._hooked_agent is not None:
+            self._kept.clear()  # made on another agent: never posted on this one
         reader = self
 
         def remove_remote_agent(name, _original=agent.remove_remote_agent):
@@ -290,7 +438,7 @@ class NixlReader:
         self._hooked_agent = agent
 
     def status(self) -> Dict[str, Any]:
-        """Kept requests and counters (without the lock: a long read holds it)."""
+        """Kept requests and counters (without the lock: a long read may hold it)."""
         kept = list(self._kept.values())
         return {"kept": len(kept), "kept_bytes": sum(k.nbytes for k in kept), **self.counts}
 

@@ -206,37 +206,14 @@ class NixlReader:
                     # serves the job, loading the agent again if it must.
                     logger.info("[RDT] a kept NIXL read of object %s could not be posted (%s); "
                                 "reading it through Ray's NIXL manager", jobs[i][0], why)
-                    with self._lock:
-                        self._forget(entry, remote=True)
+                    self._forget_remote(entry)
                     failed_post.append(i)
                 elif state == "DONE":
                     out[i] = jobs[i][2]
                 else:
                     waiting.append((i, entry))
-            pause = 2e-5
-            while waiting:
-                still = []
-                for i, entry in waiting:
-                    try:
-                        state = agent.check_xfer_state(entry.handle)
-                    except Exception:
-                        state = "ERR"
-                    if state == "DONE":
-                        out[i] = jobs[i][2]
-                    elif state == "ERR":
-                        with self._lock:
-                            self._forget(entry, remote=True)
-                        raise RuntimeError(f"the NIXL read of object {jobs[i][0]} failed "
-                                           "mid-transfer (the sender may have died during it)")
-                    else:
-                        still.append((i, entry))
-                waiting = still
-                if waiting:
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"the NIXL read of {len(waiting)} object(s) took "
-                                           f"more than {timeout_s:.0f} s")
-                    time.sleep(pause)
-                    pause = min(pause * 2, 1e-3)
+            self._wait(agent, waiting, jobs, out, deadline, timeout_s, lambda e: e.handle,
+                       on_error=self._forget_remote)
         except BaseException as e:
             broken = e
             raise
@@ -267,25 +244,34 @@ class NixlReader:
                 logger.debug("[RDT] NIXL read of %s not posted: %s", obj_id, e)
                 continue
             posted.append((i, request))
+        self._wait(agent, posted, jobs, out, deadline, timeout_s, lambda r: r.xfer_handle)
+
+    @staticmethod
+    def _wait(agent, waiting, jobs, out, deadline: float, timeout_s: float, handle_of,
+              on_error=None) -> None:
+        """Wait for posted reads ``[(job index, request)]``, polling finely
+        (20 us, doubling to 1 ms: a small read is done in tens of us)."""
         pause = 2e-5
-        while posted:
+        while waiting:
             still = []
-            for i, request in posted:
+            for i, request in waiting:
                 try:
-                    state = agent.check_xfer_state(request.xfer_handle)
+                    state = agent.check_xfer_state(handle_of(request))
                 except Exception:  # NIXL raises on an error status
                     state = "ERR"
                 if state == "DONE":
                     out[i] = jobs[i][2]
                 elif state == "ERR":
+                    if on_error is not None:
+                        on_error(request)
                     raise RuntimeError(f"the NIXL read of object {jobs[i][0]} failed "
                                        "mid-transfer (the sender may have died during it)")
                 else:
                     still.append((i, request))
-            posted = still
-            if posted:
+            waiting = still
+            if waiting:
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"the NIXL read of {len(posted)} object(s) took more "
+                    raise TimeoutError(f"the NIXL read of {len(waiting)} object(s) took more "
                                        f"than {timeout_s:.0f} s")
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
@@ -374,6 +360,10 @@ class NixlReader:
             agent.remove_remote_agent(evicted)
         cache[remote] = version
         agent.add_remote_agent(agent_meta)
+
+    def _forget_remote(self, entry: _Kept) -> None:
+        with self._lock:
+            self._forget(entry, remote=True)
 
     def _forget(self, entry: _Kept, remote: bool = False) -> None:
         """Take ``entry`` (with ``remote``: every request of its remote

@@ -179,7 +179,7 @@ def ipc_pulls(monkeypatch):
     recv, _ = _receiver(model)
     events, serve = [], {"same_node": True}
 
-    def fetch(ref, targets, copy=True, while_copying=None):
+    def fetch(ref, targets, copy=True, while_copying=None, meta=None, direct=None):
         if not serve["same_node"]:
             return None  # this path cannot read it here; nothing written
         events.append("launch")
@@ -190,11 +190,11 @@ def ipc_pulls(monkeypatch):
             while_copying(True)
         return list(targets)
 
-    monkeypatch.setattr(receiver_mod, "cuda_ipc_ref", lambda ref: True)
+    monkeypatch.setattr(receiver_mod, "cuda_ipc_ref", lambda ref, meta=None, direct=None: True)
     monkeypatch.setattr(receiver_mod, "fetch_same_node", fetch)
-    monkeypatch.setattr(receiver_mod, "nixl_job", lambda ref, targets: None)
-    monkeypatch.setattr(receiver_mod, "ref_writer", lambda ref: Writer("trainer", "trainer"))
-    monkeypatch.setattr(receiver_mod, "transport_used", lambda ref: "cuda_ipc")
+    monkeypatch.setattr(receiver_mod, "nixl_job", lambda ref, targets, meta=None, direct=None: None)
+    monkeypatch.setattr(receiver_mod, "ref_writer", lambda ref, meta=None: Writer("trainer", "trainer"))
+    monkeypatch.setattr(receiver_mod, "transport_used", lambda ref, meta=None: "cuda_ipc")
     names = ["weight", "bias"]
 
     def pull():

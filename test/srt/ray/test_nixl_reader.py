@@ -203,3 +203,144 @@ def test_more_refs_in_one_pull_than_kept_requests(bucket_pair):
         assert _reads(ray, rank)["kept"] == 1
     finally:
         ray.get(rank.set_reader_max_kept.remote(old))
+
+
+# --------------------------------------------------------------------------- #
+# The reader's bookkeeping against a stand-in agent (no Ray, no NIXL): every
+# post and poll of a released request is recorded as a fault.
+# --------------------------------------------------------------------------- #
+class _Handle:
+    def __init__(self, agent):
+        self.agent, self.released = agent, False
+
+    def release(self):
+        self.released = True
+
+
+class _Agent:
+    """Transfers finish after ``polls`` checks; ``on_check(n)`` runs at check n."""
+
+    def __init__(self, polls=3):
+        self.polls, self.checks, self.on_check = polls, 0, None
+        self.faults, self.removed = [], []
+        self.progress = {}
+
+    def initialize_xfer(self, *args):
+        return _Handle(self)
+
+    def transfer(self, h):
+        if h.released:
+            self.faults.append("posted after release")
+        self.progress[id(h)] = 0
+        return "PROC"
+
+    def check_xfer_state(self, h):
+        if h.released:
+            self.faults.append("polled after release")
+        self.checks += 1
+        if self.on_check is not None:
+            self.on_check(self.checks)
+        self.progress[id(h)] = self.progress.get(id(h), 0) + 1
+        return "DONE" if self.progress[id(h)] >= self.polls else "PROC"
+
+    def remove_remote_agent(self, name):
+        self.removed.append(name)
+
+    def add_remote_agent(self, meta):
+        pass
+
+    def deregister_memory(self, *args):
+        pass
+
+
+class _Target:
+    nbytes, is_cuda = 4, False
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def data_ptr(self):
+        return self.ptr
+
+
+class _Dtype:
+    itemsize = 4
+
+
+def _meta(version=0, remote="A"):
+    import types
+
+    return types.SimpleNamespace(
+        nixl_agent_name=remote, nixl_agent_meta_version=version, nixl_agent_meta=b"m",
+        nixl_serialized_descs=b"d", tensor_meta=[((1,), _Dtype)], tensor_device="cpu")
+
+
+@pytest.fixture
+def fake_reader(monkeypatch):
+    from collections import OrderedDict
+    import types
+
+    from sglang.srt.ray.rdt.transport import compat, nixl_reader
+
+    agent = _Agent()
+    mgr = types.SimpleNamespace(_remote_agents=OrderedDict(), get_nixl_agent=lambda: agent)
+    monkeypatch.setattr(compat, "transport_manager", lambda name: mgr)
+    monkeypatch.setattr(compat, "ray_nixl_remote_agent_cache_size", lambda: 4)
+    monkeypatch.setattr(compat, "ray_nixl_registered", lambda m, t: True)
+    monkeypatch.setattr(nixl_reader.NixlReader, "_descs", staticmethod(lambda a, m, t: (None, None)))
+    return nixl_reader.NixlReader(), agent
+
+
+def test_a_deregistration_on_the_reading_thread_mid_read_neither_hangs_nor_frees_the_request(fake_reader):
+    """A finalizer on the reading thread (Ray's fetch request cleaning up)
+    deregisters memory while the read polls: it cannot wait for its own
+    thread, so the request is released once the read is done with it."""
+    import threading
+
+    reader, agent = fake_reader
+    target = _Target(1)
+    reader.read([("o", _meta(), [target])], 5)
+    agent.checks = 0
+    agent.on_check = lambda n: n == 1 and agent.deregister_memory("region")
+    done = []
+    t = threading.Thread(target=lambda: done.append(reader.read([("o", _meta(), [target])], 5)), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the reading thread waited for itself"
+    assert done and done[0] == [[target]]
+    assert agent.faults == []
+    assert reader.status()["kept"] == 0 and reader.counts["released"] == 1
+
+
+def test_a_remote_removed_from_another_thread_waits_for_the_read_in_flight(fake_reader):
+    """Another thread removes the sender's agent (Ray's own read evicting
+    it) while a read of two rounds is in flight on it: the removal waits,
+    and no request on that agent is posted or polled after its release."""
+    import threading
+
+    reader, agent = fake_reader
+    target = _Target(1)
+    agent.polls = 50
+    started = threading.Event()
+    agent.on_check = lambda n: n == 1 and started.set()
+    # The same target twice: two rounds (one request per key and round)
+    reader_thread = threading.Thread(
+        target=lambda: reader.read([("o1", _meta(), [target]), ("o2", _meta(), [target])], 30),
+        daemon=True)
+    reader_thread.start()
+    assert started.wait(10)
+    remover = threading.Thread(target=lambda: agent.remove_remote_agent("A"), daemon=True)
+    remover.start()
+    reader_thread.join(30)
+    remover.join(30)
+    assert not reader_thread.is_alive() and not remover.is_alive()
+    assert agent.faults == []
+    assert agent.removed == ["A"] and reader.status()["kept"] == 0
+
+
+def test_a_newer_sender_version_in_one_read_never_touches_a_released_request(fake_reader):
+    reader, agent = fake_reader
+    a, b = _Target(1), _Target(2)
+    out = reader.read([("o1", _meta(0), [a]), ("o2", _meta(1), [b])], 5)
+    assert out == [[a], [b]] and agent.faults == []
+    assert reader.counts["made"] == 3 and agent.removed == ["A", "A"]

@@ -90,6 +90,10 @@ class NixlReader:
         self._read_lock = threading.Lock()
         self._lock = threading.RLock()
         self._done_with = threading.Condition(self._lock)  # a BUSY request became IDLE
+        self._busy_thread: Optional[int] = None  # the thread whose read holds BUSY requests
+        self._zombies: List[_Kept] = []  # forgotten while still in flight: released later
+        self._busy: List[_Kept] = []  # the requests of the round being run
+        self._taken: List[_Kept] = []  # every request the read in progress took
         self._kept: "OrderedDict[tuple, _Kept]" = OrderedDict()
         self._hooked_agent = None
         self._mgr = None  # Ray's NIXL manager of this process (one per process)
@@ -124,6 +128,7 @@ class NixlReader:
                     self._cache_size = compat.ray_nixl_remote_agent_cache_size()
                 agent = mgr.get_nixl_agent()
                 self._hook(agent)
+                self._release_zombies(agent)
             pending = []
             for i, (_, _, targets) in enumerate(jobs):
                 if targets:
@@ -143,7 +148,24 @@ class NixlReader:
             except BaseException:
                 self.counts["failed"] += 1
                 raise
+            finally:
+                self._settle(agent)
         return out
+
+    def _settle(self, agent) -> None:
+        """After a read, whatever happened: no request stays taken by it (an
+        exception between a round's making and its run would otherwise leave
+        requests BUSY, and every later removal waiting for them)."""
+        with self._lock:
+            stuck = [e for e in self._taken if e.state != IDLE]
+            self._taken = []
+            for e in stuck:
+                self._forget(e)
+                e.state = IDLE
+            if stuck:
+                self._finish(agent, stuck)
+            self._busy, self._busy_thread = [], None
+            self._done_with.notify_all()
 
     def _acquire(self, mgr, agent, jobs, pending):
         """One round's requests: ``(batch, deferred, through_ray)``. Every
@@ -155,15 +177,12 @@ class NixlReader:
             keys = set()
             for i in pending:
                 obj_id, meta, targets = jobs[i]
-                key = self._key(meta, targets)
-                if key is None:
-                    to_ray.append(i)
-                    continue
-                if key in keys:  # the same request twice in one round
-                    deferred.append(i)
-                    continue
                 try:
-                    entry = self._request(mgr, agent, key, meta, targets)
+                    key = self._key(meta, targets)
+                    if key in keys:  # the same request twice in one round
+                        deferred.append(i)
+                        continue
+                    entry = None if key is None else self._request(mgr, agent, key, meta, targets)
                 except Exception as e:  # nothing posted: Ray's read may still serve it
                     logger.debug("[RDT] no kept NIXL request for %s: %s", obj_id, e)
                     entry = None
@@ -172,6 +191,7 @@ class NixlReader:
                     continue
                 keys.add(key)
                 entry.state = ACQUIRED
+                self._taken.append(entry)
                 acquired.append((i, entry))
             batch = []
             for i, entry in acquired:
@@ -180,7 +200,10 @@ class NixlReader:
                 else:
                     entry.state = BUSY
                     batch.append((i, entry))
-        if pending and not batch and not to_ray and deferred == pending:
+            self._busy = [e for _, e in batch]
+            if batch:
+                self._busy_thread = threading.get_ident()
+        if not batch and not to_ray and deferred:
             # Cannot happen (the last request a round makes is never released
             # by that round); never loop on it.
             to_ray, deferred = deferred, []
@@ -203,7 +226,7 @@ class NixlReader:
                 if state == "ERR":
                     # Nothing was posted: the request (and the others made
                     # against this remote agent) may be stale. Ray's read
-                    # serves the job, loading the agent again if it must.
+                    # serves the job, or fails it with Ray's own error.
                     logger.info("[RDT] a kept NIXL read of object %s could not be posted (%s); "
                                 "reading it through Ray's NIXL manager", jobs[i][0], why)
                     self._forget_remote(entry)
@@ -224,11 +247,31 @@ class NixlReader:
                         # a request that broke, or may still run: never posted again
                         self._forget(entry)
                     entry.state = IDLE
+                self._finish(agent, [e for _, e in batch if e.dead])
+                self._busy, self._busy_thread = [], None
                 self._done_with.notify_all()
-                for _, entry in batch:
-                    if entry.dead:
-                        self._release(entry)  # (one removed while its read ran)
         return failed_post
+
+    def _finish(self, agent, dead: List[_Kept]) -> None:
+        """Release requests taken out of the cache while a read used them;
+        one still in flight (a read that timed out, or broke beside it) is
+        kept aside until it is not (releasing it would cancel it half-way)."""
+        for entry in dead:
+            if entry.handle is None:
+                continue
+            try:
+                running = agent.check_xfer_state(entry.handle) == "PROC"
+            except Exception:
+                running = False
+            if running:
+                self._zombies.append(entry)
+            else:
+                self._release(entry)
+
+    def _release_zombies(self, agent) -> None:
+        if self._zombies:
+            zombies, self._zombies = self._zombies, []
+            self._finish(agent, zombies)
 
     def _read_through_ray(self, mgr, agent, jobs, idx, out, deadline: float, timeout_s: float) -> None:
         """Post reads with Ray's manager (its own requests, released when
@@ -391,19 +434,27 @@ class NixlReader:
             logger.warning("[RDT] a kept NIXL transfer request could not be released: %s", e)
 
     def release(self, remote: Optional[str] = None) -> int:
-        """Release the kept requests (of one remote agent); a request a read
-        is using is released once that read is done with it (this waits for
-        it). Returns how many were taken out of the cache."""
+        """Release the kept requests (of one remote agent). A request a read
+        on another thread is using is released once that read is done with
+        it: this waits for it (and takes out what that read made meanwhile).
+        On the reading thread itself (a finalizer run mid-read deregistering
+        some other memory) it cannot wait: its requests are released when its
+        read is done with them. Returns how many were taken out of the cache."""
+        n = 0
         with self._lock:
-            entries = [e for e in self._kept.values() if remote is None or e.remote == remote]
-            for e in entries:
-                self._forget(e)
-            # What the records of the agent are about to lose must not be in
-            # flight: wait for the reads (another thread's) using them.
-            self._done_with.wait_for(lambda: all(e.state != BUSY for e in entries))
-            for e in entries:
-                self._release(e)
-            return len(entries)
+            while True:
+                entries = [e for e in self._kept.values() if remote is None or e.remote == remote]
+                for e in entries:
+                    self._forget(e)
+                n += len(entries)
+                busy = [e for e in self._in_use() if remote is None or e.remote == remote]
+                if not busy or self._busy_thread == threading.get_ident():
+                    return n
+                self._done_with.wait()
+
+    def _in_use(self) -> List[_Kept]:
+        """Requests a read holds BUSY (taken out of the cache or not)."""
+        return [e for e in self._busy if e.state == BUSY]
 
     # ------------------------------------------------------------------ #
     # What may leave a kept request dangling
@@ -415,13 +466,17 @@ class NixlReader:
             self._kept.clear()  # made on another agent: never posted on this one
         reader = self
 
+        # The lock is held from the release to the end of the original call:
+        # no read can make a request on what is being removed in between.
         def remove_remote_agent(name, _original=agent.remove_remote_agent):
-            reader.release(name)
-            return _original(name)
+            with reader._lock:
+                reader.release(name)
+                return _original(name)
 
         def deregister_memory(*args, _original=agent.deregister_memory, **kwargs):
-            reader.release()  # which requests cover it is not worth working out: rare
-            return _original(*args, **kwargs)
+            with reader._lock:
+                reader.release()  # which requests cover it is not worth working out: rare
+                return _original(*args, **kwargs)
 
         agent.remove_remote_agent = remove_remote_agent
         agent.deregister_memory = deregister_memory

@@ -98,6 +98,17 @@ def ray_client(ray_head):
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def toy_rank(ray_client):
+    """A ``ToyRank`` actor (``rdt_actors.py``: the receiver around a toy model)
+    shared by one module's tests, killed after them."""
+    from rdt_actors import ToyRank
+
+    rank = ToyRank.remote(seed=0)
+    yield rank
+    ray_client.kill(rank)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -47,21 +47,14 @@ def _reads(ray, rank):
     return ray.get(rank.status.remote())["nixl_reads"]
 
 
-@pytest.fixture(scope="module")
-def reader_rank(ray_client):
-    rank = ToyRank.remote(seed=0)
-    yield rank
-    ray_client.kill(rank)
-
-
 @pytest.fixture
-def bucket_pair(ray_client, reader_rank):
+def bucket_pair(ray_client, toy_rank):
     ray = ray_client
-    ray.get(reader_rank.reset.remote(0), timeout=60)
-    assert ray.get(reader_rank.register.remote())["registered"] is True
+    ray.get(toy_rank.reset.remote(0), timeout=60)
+    assert ray.get(toy_rank.register.remote())["registered"] is True
     trainer = BucketTrainer.remote()
-    yield ray, reader_rank, trainer
-    ray.get(reader_rank.set_env.remote(DIRECT, None))
+    yield ray, toy_rank, trainer
+    ray.get(toy_rank.set_env.remote(DIRECT, None))
     ray.kill(trainer)
 
 

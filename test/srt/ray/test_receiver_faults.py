@@ -14,15 +14,8 @@ import pytest
 import torch
 
 from conftest import wait_until
-from rdt_actors import ToyRank, ToyTrainer, actor_is_dead, toy_model
+from rdt_actors import ToyTrainer, actor_is_dead, toy_model
 from sglang.srt.ray.rdt import WeightsInconsistentError  # the public name (any layout)
-
-
-@pytest.fixture(scope="module")
-def toy_rank(ray_client):
-    rank = ToyRank.remote(seed=0)
-    yield rank
-    ray_client.kill(rank)
 
 
 @pytest.fixture

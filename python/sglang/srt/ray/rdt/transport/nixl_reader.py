@@ -66,9 +66,10 @@ IDLE, ACQUIRED, BUSY = "idle", "acquired", "busy"
 
 
 class _Kept:
-    __slots__ = ("handle", "remote", "nbytes", "state", "dead")
+    __slots__ = ("key", "handle", "remote", "nbytes", "state", "dead")
 
-    def __init__(self, handle, remote: str, nbytes: int):
+    def __init__(self, key: tuple, handle, remote: str, nbytes: int):
+        self.key = key
         self.handle = handle
         self.remote = remote
         self.nbytes = nbytes
@@ -159,13 +160,20 @@ class NixlReader:
         with self._lock:
             stuck = [e for e in self._taken if e.state != IDLE]
             self._taken = []
-            for e in stuck:
-                self._forget(e)
-                e.state = IDLE
-            if stuck:
-                self._finish(agent, stuck)
-            self._busy, self._busy_thread = [], None
-            self._done_with.notify_all()
+            self._end_round(agent, stuck, broken=True)
+
+    def _end_round(self, agent, entries: List[_Kept], broken: bool) -> None:
+        """The requests a round used go back to IDLE (``broken``: out of the
+        cache too — a request that broke, or may still run, is never posted
+        again); those taken out meanwhile are released; a removal waiting for
+        them goes on (under _lock)."""
+        for entry in entries:
+            if broken:
+                self._forget(entry)
+            entry.state = IDLE
+        self._finish(agent, [e for e in entries if e.dead])
+        self._busy, self._busy_thread = [], None
+        self._done_with.notify_all()
 
     def _acquire(self, mgr, agent, jobs, pending):
         """One round's requests: ``(batch, deferred, through_ray)``. Every
@@ -213,43 +221,31 @@ class NixlReader:
         """Post the batch's requests and wait for them. Returns the jobs whose
         request could not be posted (for Ray's manager)."""
         failed_post: List[int] = []
-        broken: Optional[BaseException] = None
         waiting = []
-        try:
-            for i, entry in batch:
-                try:
-                    state = agent.transfer(entry.handle)
-                except Exception as e:  # NIXL raises on an error status
-                    state, why = "ERR", e
-                else:
-                    why = None
-                if state == "ERR":
-                    # Nothing was posted: the request (and the others made
-                    # against this remote agent) may be stale. Ray's read
-                    # serves the job, or fails it with Ray's own error.
-                    logger.info("[RDT] a kept NIXL read of object %s could not be posted (%s); "
-                                "reading it through Ray's NIXL manager", jobs[i][0], why)
-                    self._forget_remote(entry)
-                    failed_post.append(i)
-                elif state == "DONE":
-                    out[i] = jobs[i][2]
-                else:
-                    waiting.append((i, entry))
-            self._wait(agent, waiting, jobs, out, deadline, timeout_s, lambda e: e.handle,
-                       on_error=self._forget_remote)
-        except BaseException as e:
-            broken = e
-            raise
-        finally:
-            with self._lock:
-                for _, entry in batch:
-                    if broken is not None and not entry.dead:
-                        # a request that broke, or may still run: never posted again
-                        self._forget(entry)
-                    entry.state = IDLE
-                self._finish(agent, [e for _, e in batch if e.dead])
-                self._busy, self._busy_thread = [], None
-                self._done_with.notify_all()
+        # (an exception leaves the round's requests to read()'s _settle)
+        for i, entry in batch:
+            try:
+                state = agent.transfer(entry.handle)
+            except Exception as e:  # NIXL raises on an error status
+                state, why = "ERR", e
+            else:
+                why = None
+            if state == "ERR":
+                # Nothing was posted: the request (and the others made
+                # against this remote agent) may be stale. Ray's read
+                # serves the job, or fails it with Ray's own error.
+                logger.info("[RDT] a kept NIXL read of object %s could not be posted (%s); "
+                            "reading it through Ray's NIXL manager", jobs[i][0], why)
+                self._forget_remote(entry)
+                failed_post.append(i)
+            elif state == "DONE":
+                out[i] = jobs[i][2]
+            else:
+                waiting.append((i, entry))
+        self._wait(agent, waiting, jobs, out, deadline, timeout_s, lambda e: e.handle,
+                   on_error=self._forget_remote)
+        with self._lock:
+            self._end_round(agent, [e for _, e in batch], broken=False)
         return failed_post
 
     def _finish(self, agent, dead: List[_Kept]) -> None:
@@ -353,7 +349,7 @@ class NixlReader:
         local_descs, remote_descs = self._descs(agent, meta, targets)
         self._load_remote(mgr, agent, remote, version, meta.nixl_agent_meta)
         handle = agent.initialize_xfer("READ", local_descs, remote_descs, remote, b"")
-        entry = _Kept(handle, remote, sum(t.nbytes for t in targets))
+        entry = _Kept(key, handle, remote, sum(t.nbytes for t in targets))
         for old_key in [k for k, e in self._kept.items() if e.state == IDLE][
                 : max(0, len(self._kept) + 1 - self.max_kept)]:
             self._forget(self._kept[old_key])  # least recently used first; none in use
@@ -416,8 +412,8 @@ class NixlReader:
         if remote:
             entries += [e for e in self._kept.values() if e.remote == entry.remote and e is not entry]
         for e in entries:
-            for k in [k for k, v in self._kept.items() if v is e]:
-                del self._kept[k]
+            if self._kept.get(e.key) is e:
+                del self._kept[e.key]
             if not e.dead:
                 e.dead = True
                 if e.state != BUSY:

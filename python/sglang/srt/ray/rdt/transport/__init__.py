@@ -1,11 +1,14 @@
 """Transports of RDT weight sync: how bytes move between processes.
 
-- :mod:`.sglang_ipc` — the ``SGLANG_IPC`` Ray tensor transport (same-node
-  fast path: CUDA IPC + copy engine for GPU memory, ``process_vm_readv`` for
-  CPU memory, NIXL metadata in every ref for everything else);
-- :mod:`.cma` — cross-memory attach (``process_vm_readv``) reads;
-- :mod:`.nixl_progress` — keeps Ray's NIXL agent from spinning a core.
+- :mod:`.same_node` — this process's sender identity, exporter and reader of
+  same-node reads: :mod:`.cuda_ipc` (GPU memory: CUDA IPC handles, one SM
+  copy kernel on one GPU) and :mod:`.cma` (host memory: ``process_vm_readv``);
+- :mod:`.sglang_ipc` — the ``SGLANG_IPC`` Ray tensor transport: refs carrying
+  a same-node part and Ray's NIXL metadata;
+- :mod:`.metadata` — what a same-node read is given and what it reports;
+- :mod:`.cuda_driver` — the CUDA driver and NVRTC calls, through ctypes;
+- :mod:`.compat` — every Ray-private name the package uses.
 
-May import: torch, Ray, NIXL and each other. Never imports the engine or
+May import: torch, numpy, Ray and each other. Never imports the engine or
 trainer sides, nor sglang's serving modules.
 """

@@ -2,10 +2,10 @@
 
 ``process_vm_readv(2)`` copies from another process's address space into ours
 in one kernel pass: no shared buffer, no staging copy, no network stack. It is
-the CPU half of the same-node fast path of RDT weight sync
-(:mod:`sglang.srt.ray.rdt.transport.sglang_ipc`, transport ``SGLANG_IPC``): the
-sender puts its tensors' addresses in the ref, a receiver on the same host
-reads them into the ``set_target_for_ref`` targets with a few threads.
+the CPU half of the same-node path of RDT weight sync: the sender describes
+its tensors by their addresses (:func:`export_cma`, in an ``SGLANG_IPC`` ref
+or a lane request), a reader on the same host copies them into its targets
+with a few threads (:class:`CmaPath`).
 
 The kernel allows it when the reader may ptrace the sender: same user and no
 Yama restriction (``kernel.yama.ptrace_scope`` 0), or ``CAP_SYS_PTRACE`` (root
@@ -25,6 +25,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from sglang.srt.ray.rdt.transport.metadata import CmaPart, MappingFailed, ReadResult, part_bytes
 
 # Linux caps one call at IOV_MAX (1024) iovecs per side.
 IOV_MAX = 1024
@@ -109,11 +113,7 @@ class CmaReader:
     """Reads (dst, src, nbytes) copies out of another process with N threads."""
 
     def __init__(self, threads: Optional[int] = None):
-        if threads is None:
-            from sglang.srt.environ import envs
-
-            threads = envs.SGLANG_RDT_CMA_THREADS.get() or min(4, os.cpu_count() or 1)
-        self.threads = max(1, threads)
+        self.threads = max(1, threads or min(4, os.cpu_count() or 1))
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
 
@@ -180,50 +180,50 @@ def _read_all(pid: int, copies: Sequence[Copy]) -> int:
     return done
 
 
-class CmaPath:
-    """The CPU path of ``SGLANG_IPC``: the sender puts its tensors' addresses
-    (:meth:`export`), a receiver on the same Ray node reads them into its
-    targets (:meth:`receive`). A read the kernel refuses is detected with a
-    one-byte probe before anything is written, remembered per sender, and
-    served by NIXL instead (``SGLANG_RDT_CMA=0`` turns the path off)."""
+_START_TIME: dict = {}  # this process's start time, read once
 
-    def __init__(self, token: str):
-        self.token = token
+
+def export_cma(tensors, token: str, node_id: str) -> Optional[CmaPart]:
+    """A :class:`CmaPart` of host-memory ``tensors``, or None when /proc is unreadable."""
+    pid = os.getpid()
+    if pid not in _START_TIME:
+        _START_TIME[pid] = process_start_time(pid)
+    start = _START_TIME[pid]
+    if start is None:
+        return None
+    n = len(tensors)
+    return CmaPart(
+        node_id=node_id, sender=token, pid=os.getpid(), start_time=start,
+        address=np.fromiter((t.data_ptr() for t in tensors), np.int64, n),
+        nbytes=np.fromiter((t.nbytes for t in tensors), np.int64, n),
+    )
+
+
+class CmaPath:
+    """Reads a :class:`CmaPart` into host-memory targets. A read the kernel
+    refuses is found with a one-byte probe before anything is written,
+    remembered per sender, and left to NIXL (``SGLANG_RDT_CMA=0`` turns the
+    path off)."""
+
+    def __init__(self):
         self._reader: Optional[CmaReader] = None
         self._lock = threading.Lock()
         self._denied: dict = {}  # sender pid -> why reading is refused
 
-    # -- sender ------------------------------------------------------------ #
-    def export(self, tensors, node_id: str):
-        """A :class:`~.metadata.CmaPart` for ``tensors``, or None when /proc is unreadable."""
-        from sglang.srt.ray.rdt.transport.metadata import CmaPart
-
-        start = process_start_time(os.getpid())
-        if start is None:
-            return None
-        return CmaPart(
-            node_id=node_id, sender=self.token, pid=os.getpid(), start_time=start,
-            tensors=[(t.data_ptr(), t.numel() * t.element_size()) for t in tensors],
-        )
-
-    # -- receiver ---------------------------------------------------------- #
-    def unusable(self, meta, targets, node_id: str) -> Optional[str]:
-        """None when this process can read ``meta.cma``, else why not."""
-        cma = meta.cma
+    def unusable(self, part: CmaPart, device, node_id: str) -> Optional[str]:
+        """None when this process can read ``part`` into tensors on ``device``."""
         from sglang.srt.environ import envs
 
         if not envs.SGLANG_RDT_CMA.get():
             return "SGLANG_RDT_CMA=0"
-        if targets and any(t.device.type != "cpu" for t in targets):
-            return f"target buffers on {sorted({str(t.device) for t in targets})}"
-        if node_id != cma.node_id:
+        if device is not None and device.type != "cpu":
+            return f"target buffers on {device}"
+        if node_id != part.node_id:
             return "the sender is on another node"
-        if process_start_time(cma.pid) != cma.start_time:
-            return (
-                f"the sender process {cma.pid} is not visible from here (another PID "
-                "namespace?) or has exited"
-            )
-        return self._denied.get(cma.pid)
+        if process_start_time(part.pid) != part.start_time:
+            return (f"the sender process {part.pid} is not visible from here (another PID "
+                    "namespace?) or has exited")
+        return self._denied.get(part.pid)
 
     def reader(self) -> CmaReader:
         with self._lock:
@@ -231,54 +231,44 @@ class CmaPath:
                 self._reader = CmaReader()
             return self._reader
 
-    def receive(self, meta, targets, info, copy: bool = True, while_copying=None):
-        """Read ``meta``'s tensors into ``targets``; ``copy=False``: only check
-        that they can be read (nothing is written). ``while_copying(False)``
-        runs just before the (synchronous) reads: nothing is written yet."""
-        import torch
+    def read(self, part: CmaPart, targets, copy: bool = True) -> ReadResult:
+        """Read ``part``'s tensors into ``targets`` (a ``cuda_ipc.Targets``);
+        ``copy=False``: only check that they can be read."""
+        t0 = time.perf_counter()
+        targets.check(part.nbytes)
+        res = ReadResult("cma", len(targets.tensors), part_bytes(part.nbytes), 0.0,
+                         method="process_vm_readv")
+        copies = merge_copies(targets.ptrs, part.address, part.nbytes)
+        if copies:
+            reader = self.reader()
+            why = reader.probe(part.pid, copies[0][1])
+            if why is not None:  # nothing was written: remember it, NIXL may serve
+                self._denied[part.pid] = why
+                raise MappingFailed(why)
+            if copy:
+                t1 = time.perf_counter()
+                try:
+                    reader.read(part.pid, copies)
+                except CmaError as e:
+                    raise RuntimeError(
+                        f"process_vm_readv from sender pid {part.pid} broke mid-way: {e}") from e
+                if process_start_time(part.pid) != part.start_time:
+                    raise RuntimeError(f"the sender process {part.pid} exited during the read; "
+                                       "the bytes read cannot be trusted")
+                res.copy_seconds = time.perf_counter() - t1
+        res.seconds = time.perf_counter() - t0
+        return res
 
-        from sglang.srt.ray.rdt.transport.copy_plan import plan_copies
-        from sglang.srt.ray.rdt.transport.metadata import MappingFailed
 
-        cma = meta.cma
-        if targets:
-            tensors = list(targets)
+def merge_copies(dst, src, nbytes) -> List[Copy]:
+    """``(dst, src, nbytes)`` copies, those that continue each other on both
+    sides merged into one; empty ones dropped."""
+    out: List[List[int]] = []
+    for d, s, n in zip(np.asarray(dst).tolist(), np.asarray(src).tolist(), np.asarray(nbytes).tolist()):
+        if n == 0:
+            continue
+        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:
+            out[-1][2] += n
         else:
-            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in meta.tensor_meta]
-        if len(tensors) != len(cma.tensors):
-            raise ValueError(
-                f"Length of tensor_buffers ({len(tensors)}) does not match length from "
-                f"object metadata ({len(cma.tensors)})."
-            )
-        for i, (t, (_, nbytes)) in enumerate(zip(tensors, cma.tensors)):
-            if t.nbytes != nbytes or not t.is_contiguous():
-                raise ValueError(f"target buffer {i} is not a contiguous buffer of {nbytes} bytes")
-        reader = self.reader()
-        copies = plan_copies([(t.data_ptr(), a, n) for t, (a, n) in zip(tensors, cma.tensors)])
-        info.tensors, info.bytes = len(tensors), sum(n for _, n in cma.tensors)
-        info.copies, info.streams, info.method = len(copies), reader.threads, "process_vm_readv"
-        if not copies:
-            return tensors
-        why = reader.probe(cma.pid, copies[0][1])
-        if why is not None:
-            # Nothing was written; remember it for this sender and use NIXL.
-            self._denied[cma.pid] = why
-            raise MappingFailed(why)
-        if not copy:
-            return tensors
-        if while_copying is not None:
-            while_copying(False)
-        t1 = time.perf_counter()
-        try:
-            reader.read(cma.pid, copies)
-        except CmaError as e:
-            raise RuntimeError(
-                f"SGLANG_IPC CPU read from sender pid {cma.pid} broke mid-way: {e}"
-            ) from e
-        if process_start_time(cma.pid) != cma.start_time:
-            raise RuntimeError(
-                f"SGLANG_IPC: the sender process {cma.pid} exited during the read; "
-                "the bytes read cannot be trusted"
-            )
-        info.copy_seconds = time.perf_counter() - t1
-        return tensors
+            out.append([d, s, n])
+    return [tuple(c) for c in out]  # type: ignore[misc]

@@ -1,21 +1,21 @@
 """Every access to Ray's and NIXL's private internals, in one place.
 
-The weight-sync code needs a few things neither library exposes publicly:
-Ray's per-process RDT manager (to read a ref's transport metadata without
-fetching it), its registry of tensor transports, the owner address inside an
-``ObjectRef``, the GCS job table, and NIXL's agent-config binding (to give
-Ray's NIXL agent a progress-thread delay). Each is reached through a function
-here, and :func:`check_versions` says, once per process, when the installed
-Ray or NIXL is not a version this was written against — the first place to
-look when one of these lookups breaks after an upgrade.
+The weight-sync code needs a few things Ray does not expose publicly: its
+per-process RDT manager (to read a ref's transport metadata without fetching
+it), its registry of tensor transports, the owner address inside an
+``ObjectRef``, an actor handle's class name and the GCS job table. Each is
+reached through a function here, read from Ray 2.60.0 (:data:`RAY_VERSIONS`);
+nothing here changes any of Ray's or NIXL's objects. :func:`check_versions`
+says, once per process, when the installed Ray or NIXL is not a version this
+was written against — the first place to look when one of these lookups
+breaks after an upgrade.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -130,37 +130,6 @@ def nixl_communicator_metadata():
     return NixlCommunicatorMetadata()
 
 
-def ray_nixl_remote_agent_cache_size() -> int:
-    """How many remote agents Ray's NIXL manager keeps loaded (0: it removes
-    each after its read)."""
-    from ray.experimental.rdt import nixl_tensor_transport  # the value Ray's reads use
-
-    return int(getattr(nixl_tensor_transport, "NIXL_REMOTE_AGENT_CACHE_MAXSIZE", 0))
-
-
-def ray_nixl_remote_agents(mgr):
-    """Ray's NIXL manager's cache of loaded remote agents: an OrderedDict of
-    agent name → metadata version, least recently used first."""
-    return mgr._remote_agents
-
-
-def ray_nixl_registered(mgr, tensor) -> bool:
-    """Whether ``tensor``'s storage is registered with Ray's NIXL agent."""
-    return mgr._tensor_memory_registered(tensor)
-
-
-def ray_nixl_packing():
-    """How Ray's NIXL put packs tensors into descriptors:
-    ``(TensorLayout, packed_offsets, group_tensors_by_desc)``."""
-    from ray.experimental.rdt.nixl_memory_pool import (
-        TensorLayout,
-        group_tensors_by_desc,
-        packed_offsets,
-    )
-
-    return TensorLayout, packed_offsets, group_tensors_by_desc
-
-
 # --------------------------------------------------------------------------- #
 # Ray: refs
 # --------------------------------------------------------------------------- #
@@ -205,49 +174,3 @@ def job_table() -> list:
     from ray._private import state
 
     return state.jobs()
-
-
-# --------------------------------------------------------------------------- #
-# NIXL, as Ray builds its agent
-# --------------------------------------------------------------------------- #
-RAY_NIXL_MODULE = "ray.experimental.rdt.nixl_tensor_transport"
-
-
-def ray_nixl_transport_class() -> Optional[type]:
-    """Ray's NIXL transport class, or None for a Ray without RDT."""
-    try:
-        from ray.experimental.rdt import nixl_tensor_transport
-    except ImportError:
-        return None
-    return nixl_tensor_transport.NixlTensorTransport
-
-
-def ray_nixl_agent_exists() -> bool:
-    """Whether this process's Ray NIXL agent exists (without creating Ray's
-    NIXL transport manager when there is none)."""
-    from ray.experimental.rdt import util
-
-    manager = getattr(util, "transport_managers", {}).get("NIXL")
-    return manager is not None and getattr(manager, "_nixl_agent", None) is not None
-
-
-def nixl_api_module():
-    """NIXL's Python API module (whose ``nixlBind`` builds agent configs)."""
-    from nixl._api import nixl_agent
-
-    return sys.modules[nixl_agent.__module__]
-
-
-def wrap_ray_nixl_agent_factory(wrap: Callable[[Callable], Callable]) -> bool:
-    """Replace Ray's NIXL agent factory by ``wrap(original)``. False when this
-    Ray has no such factory (nothing is changed)."""
-    transport = ray_nixl_transport_class()
-    original = getattr(transport, "_make_nixl_agent", None) if transport else None
-    if original is None:
-        return False
-    wrapped = wrap(original)
-    wrapped.__wrapped__ = original  # type: ignore[attr-defined]
-    transport._make_nixl_agent = wrapped
-    return True
-
-

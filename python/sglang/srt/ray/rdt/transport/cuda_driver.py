@@ -1,23 +1,23 @@
 """The CUDA driver calls of the same-node GPU path, through ctypes.
 
 CUDA IPC handles (export a cudaMalloc segment, open it in another process),
-contexts, peer access, and the copy-engine calls (``cuMemcpyAsync`` and the
-CUDA 12.8+ ``cuMemcpyBatchAsync``), plus an experimental one-launch SM copy
-kernel (needs CuPy). Loaded on first use (:func:`driver`): importing this
-module needs neither a GPU nor torch.
+contexts, peer access, the copy-engine calls (``cuMemcpyAsync`` and the CUDA
+12.8+ ``cuMemcpyBatchAsync``) and :class:`CopyKernel`: one SM kernel that
+copies a whole table of ``(dst, src, nbytes)`` chunks in one launch, built
+with NVRTC (the ``libnvrtc`` that PyTorch's CUDA wheels ship). Loaded on first
+use (:func:`driver`): importing this module needs neither a GPU nor torch.
 """
 
 from __future__ import annotations
 
 import ctypes
+import glob
+import os
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
-# CUDA driver API through ctypes (no extra dependency; loaded on first use)
-# --------------------------------------------------------------------------- #
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
-CUDA_ERROR_ALREADY_MAPPED = 208
 CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
 
 
@@ -34,7 +34,7 @@ class _CUipcMemHandle(ctypes.Structure):
 
 
 class _Driver:
-    """The few CUDA driver calls this module needs."""
+    """The few CUDA driver calls this package needs."""
 
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
@@ -72,12 +72,20 @@ class _Driver:
         self.cuMemcpyDtoDAsync = fn(
             ["cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"], [u64, u64, sz, p]
         )
+        self.cuModuleLoadData = fn(["cuModuleLoadData"], [ctypes.POINTER(p), p])
+        self.cuModuleGetFunction = fn(["cuModuleGetFunction"], [ctypes.POINTER(p), p, ctypes.c_char_p])
+        self.cuLaunchKernel = fn(
+            ["cuLaunchKernel"],
+            [p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+             ctypes.c_uint, ctypes.c_uint, p, ctypes.POINTER(p), ctypes.POINTER(p)],
+        )
+        self.cuDeviceGetAttribute = fn(
+            ["cuDeviceGetAttribute"], [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        )
         # CUDA 12.8+: one call for a list of copies (13.x: _v2, without failIdx).
         self._batch_v2 = True
         try:
-            self.cuMemcpyBatchAsync = fn(
-                ["cuMemcpyBatchAsync_v2"], [p, p, p, sz, p, p, sz, p]
-            )
+            self.cuMemcpyBatchAsync = fn(["cuMemcpyBatchAsync_v2"], [p, p, p, sz, p, p, sz, p])
         except AttributeError:
             self._batch_v2 = False
             try:
@@ -159,7 +167,15 @@ class _Driver:
         if rc != 0:
             self.check("cuMemcpyDtoDAsync", rc)
 
+    def attribute(self, attr: int, ordinal: int) -> int:
+        out = ctypes.c_int()
+        self.check("cuDeviceGetAttribute", self.cuDeviceGetAttribute(ctypes.byref(out), attr, ordinal))
+        return out.value
 
+
+# --------------------------------------------------------------------------- #
+# Copy-engine batches (GPU to GPU over NVLink)
+# --------------------------------------------------------------------------- #
 class _CUmemLocation(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
@@ -177,13 +193,14 @@ CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
 CU_MEM_LOCATION_TYPE_DEVICE = 0x1
 
 
-def prepare_batch(copies, src_dev: int, dst_dev: int) -> tuple:
-    """The argument arrays of one cuMemcpyBatchAsync for ``copies`` (dst, src,
-    nbytes), built once and reused while the copies stay the same."""
-    n = len(copies)
-    dsts = (ctypes.c_uint64 * n)(*[c[0] for c in copies])
-    srcs = (ctypes.c_uint64 * n)(*[c[1] for c in copies])
-    sizes = (ctypes.c_size_t * n)(*[c[2] for c in copies])
+def memcpy_batch(drv: _Driver, dst, src, nbytes, stream: int, src_dev: int, dst_dev: int) -> None:
+    """All copies ``dst[i] <- src[i]`` (``nbytes[i]``) with one cuMemcpyBatchAsync."""
+    if drv.cuMemcpyBatchAsync is None:
+        raise CudaDriverError("cuMemcpyBatchAsync", -1, "not in this driver")
+    n = len(dst)
+    dsts = (ctypes.c_uint64 * n)(*map(int, dst))
+    srcs = (ctypes.c_uint64 * n)(*map(int, src))
+    sizes = (ctypes.c_size_t * n)(*map(int, nbytes))
     attr = _CUmemcpyAttributes(
         CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
         _CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, src_dev),
@@ -192,14 +209,6 @@ def prepare_batch(copies, src_dev: int, dst_dev: int) -> tuple:
     )
     idx = (ctypes.c_size_t * 1)(0)
     fail = ctypes.c_size_t(0)
-    # keep every ctypes object referenced with its pointers
-    return (dsts, srcs, sizes, n, attr, idx, fail)
-
-
-def launch_batch(drv: "_Driver", prepared: tuple, stream: int) -> None:
-    if drv.cuMemcpyBatchAsync is None:
-        raise CudaDriverError("cuMemcpyBatchAsync", -1, "not in this driver")
-    dsts, srcs, sizes, n, attr, idx, fail = prepared
     args = [ctypes.cast(dsts, ctypes.c_void_p), ctypes.cast(srcs, ctypes.c_void_p),
             ctypes.cast(sizes, ctypes.c_void_p), n, ctypes.cast(ctypes.pointer(attr), ctypes.c_void_p),
             ctypes.cast(idx, ctypes.c_void_p), 1]
@@ -209,16 +218,14 @@ def launch_batch(drv: "_Driver", prepared: tuple, stream: int) -> None:
     drv.check("cuMemcpyBatchAsync", drv.cuMemcpyBatchAsync(*args))
 
 
-def memcpy_batch_async(drv: "_Driver", copies, stream: int, src_dev: int, dst_dev: int) -> None:
-    """All ``copies`` (dst, src, nbytes) with one cuMemcpyBatchAsync call."""
-    launch_batch(drv, prepare_batch(copies, src_dev, dst_dev), stream)
-
-
-# An SM copy kernel over all tensors at once (one launch instead of one copy
-# per tensor). Experimental: needs CuPy (NVRTC) in the receiving process.
+# --------------------------------------------------------------------------- #
+# One SM kernel for a whole table of copies
+# --------------------------------------------------------------------------- #
+# Each block takes chunks of the table in turn and copies one with 16-byte
+# loads and stores (bytes for what is left, or for unaligned chunks).
 _KERNEL_SRC = r"""
 extern "C" __global__ void __launch_bounds__(512)
-sglang_multi_copy(const unsigned long long* __restrict__ tab, const int nchunks) {
+sglang_rdt_copy(const unsigned long long* __restrict__ tab, const int nchunks) {
     for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
         unsigned char* dst = (unsigned char*)tab[3 * c];
         const unsigned char* src = (const unsigned char*)tab[3 * c + 1];
@@ -243,45 +250,143 @@ sglang_multi_copy(const unsigned long long* __restrict__ tab, const int nchunks)
     }
 }
 """
-_kernels: Dict[int, Any] = {}
+KERNEL_THREADS = 512
+KERNEL_BLOCKS_PER_SM = 2
+CHUNK_BYTES = 1 << 20
+CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 
 
-def chunk_table(copies, chunk: int = 1 << 20):
+def _load_nvrtc():
+    """NVRTC from the system or from PyTorch's CUDA wheels (``nvidia/*/lib``)."""
+    names = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            pass
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in list(spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(glob.glob(os.path.join(root, "*", "lib", "libnvrtc.so*")), reverse=True):
+            if "builtins" in path or ".alt." in path:
+                continue
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    raise OSError("no libnvrtc found (PyTorch's CUDA wheels ship it in nvidia/*/lib)")
+
+
+def compile_ptx(source: str, arch: str) -> bytes:
+    """PTX of ``source`` for ``arch`` (e.g. ``compute_90``) with NVRTC."""
+    lib = _load_nvrtc()
+    prog = ctypes.c_void_p()
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"sglang_rdt_copy.cu",
+                                0, None, None)
+    if rc != 0:
+        raise CudaDriverError("nvrtcCreateProgram", rc, "NVRTC error")
+    try:
+        opts = (ctypes.c_char_p * 1)(f"--gpu-architecture={arch}".encode())
+        rc = lib.nvrtcCompileProgram(prog, 1, opts)
+        if rc != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise CudaDriverError("nvrtcCompileProgram", rc, log.value.decode(errors="replace")[:500])
+        size = ctypes.c_size_t()
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, ptx)
+        return ptx.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+class CopyKernel:
+    """:data:`_KERNEL_SRC` loaded on one device: :meth:`launch` copies every
+    chunk of a table with one kernel launch (thousands of few-MiB tensors cost
+    what one large copy does, where one copy-engine call per tensor does not)."""
+
+    def __init__(self, ordinal: int):
+        drv = driver()
+        self.ordinal = ordinal
+        major = drv.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, ordinal)
+        minor = drv.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, ordinal)
+        try:
+            ptx = compile_ptx(_KERNEL_SRC, f"compute_{major}{minor}")
+        except CudaDriverError:  # an NVRTC older than the device: the driver JITs older PTX
+            ptx = compile_ptx(_KERNEL_SRC, "compute_75")
+        self._ptx = ctypes.create_string_buffer(ptx)
+        self.grid_max = KERNEL_BLOCKS_PER_SM * drv.attribute(
+            CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, ordinal)
+        drv.push(ordinal)
+        try:
+            module, func = ctypes.c_void_p(), ctypes.c_void_p()
+            drv.check("cuModuleLoadData", drv.cuModuleLoadData(ctypes.byref(module), self._ptx))
+            drv.check("cuModuleGetFunction",
+                      drv.cuModuleGetFunction(ctypes.byref(func), module, b"sglang_rdt_copy"))
+        finally:
+            drv.pop()
+        self._module, self._func = module, func
+
+    def launch(self, table_ptr: int, nchunks: int, stream: int) -> None:
+        """Copy the ``nchunks`` rows ``(dst, src, nbytes)`` of the device table
+        at ``table_ptr`` on ``stream`` (the table must live until it ran)."""
+        if nchunks <= 0:
+            return
+        drv = driver()
+        arg_tab, arg_n = ctypes.c_uint64(table_ptr), ctypes.c_int(nchunks)
+        params = (ctypes.c_void_p * 2)(ctypes.cast(ctypes.byref(arg_tab), ctypes.c_void_p),
+                                       ctypes.cast(ctypes.byref(arg_n), ctypes.c_void_p))
+        grid = max(1, min(nchunks, self.grid_max))
+        drv.push(self.ordinal)
+        try:
+            drv.check("cuLaunchKernel", drv.cuLaunchKernel(
+                self._func, grid, 1, 1, KERNEL_THREADS, 1, 1, 0, ctypes.c_void_p(stream), params, None))
+        finally:
+            drv.pop()
+
+
+def chunk_table(dst, src, nbytes, chunk: int = CHUNK_BYTES):
+    """The rows ``(dst, src, nbytes)`` of :class:`CopyKernel`'s table: every
+    copy cut into chunks of at most ``chunk`` bytes (one block's work each)."""
     import numpy as np
 
-    d = np.array([c[0] for c in copies], dtype=np.uint64)
-    s = np.array([c[1] for c in copies], dtype=np.uint64)
-    n = np.array([c[2] for c in copies], dtype=np.uint64)
+    d = np.asarray(dst, dtype=np.uint64)
+    s = np.asarray(src, dtype=np.uint64)
+    n = np.asarray(nbytes, dtype=np.uint64)
     k = (n + np.uint64(chunk - 1)) // np.uint64(chunk)
-    idx = np.repeat(np.arange(len(copies)), k.astype(np.int64))
+    idx = np.repeat(np.arange(len(n)), k.astype(np.int64))
     first = np.repeat(np.cumsum(k) - k, k.astype(np.int64))
     off = (np.arange(int(k.sum()), dtype=np.uint64) - first) * np.uint64(chunk)
     length = np.minimum(np.uint64(chunk), n[idx] - off)
-    return np.stack([d[idx] + off, s[idx] + off, length], axis=1).astype(np.uint64).ravel()
+    return np.stack([d[idx] + off, s[idx] + off, length], axis=1).ravel()
 
 
-def sm_copy(copies, ordinal: int, stream: int, blocks_per_sm: int = 2, threads: int = 512,
-            chunk: int = 1 << 20, table=None) -> None:
-    """Copy with one kernel launch on ``ordinal`` (peer pointers allowed)."""
-    import cupy as cp
+def copy_tensors(dst, src) -> None:
+    """Copy ``src[i]`` into ``dst[i]`` (contiguous tensors of equal sizes, all
+    on one GPU) bit for bit with one :class:`CopyKernel` launch on the current
+    stream; returns once the copy is done."""
     import numpy as np
+    import torch
 
-    with cp.cuda.Device(ordinal):
-        k = _kernels.get(ordinal)
-        if k is None:
-            k = _kernels[ordinal] = cp.RawKernel(_KERNEL_SRC, "sglang_multi_copy")
-        tab = chunk_table(copies, chunk) if table is None else table
-        nchunks = len(tab) // 3
-        import torch
-
-        grid = max(1, min(nchunks, torch.cuda.get_device_properties(ordinal).multi_processor_count * blocks_per_sm))
-        with cp.cuda.ExternalStream(stream, ordinal):
-            tab_dev = cp.asarray(tab)
-            k((grid,), (threads,), (tab_dev, np.int32(nchunks)))
-            # keep the table alive until the kernel ran
-            cp.cuda.get_current_stream().synchronize()
+    if not dst:
+        return
+    device = dst[0].device
+    table = chunk_table(np.fromiter((t.data_ptr() for t in dst), np.int64, len(dst)),
+                        np.fromiter((t.data_ptr() for t in src), np.int64, len(src)),
+                        np.fromiter((t.nbytes for t in dst), np.int64, len(dst)))
+    table = torch.from_numpy(table.view(np.int64)).to(device)
+    stream = torch.cuda.current_stream(device)
+    copy_kernel(device.index).launch(table.data_ptr(), table.numel() // 3, stream.cuda_stream)
+    stream.synchronize()
 
 
+_kernels: Dict[int, CopyKernel] = {}
 _driver: Optional[_Driver] = None
 _driver_lock = threading.Lock()
 
@@ -292,6 +397,17 @@ def driver() -> _Driver:
         if _driver is None:
             _driver = _Driver()
         return _driver
+
+
+def copy_kernel(ordinal: int) -> CopyKernel:
+    """The copy kernel on GPU ``ordinal``, built once per process."""
+    with _driver_lock:
+        kernel = _kernels.get(ordinal)
+    if kernel is None:
+        kernel = CopyKernel(ordinal)
+        with _driver_lock:
+            kernel = _kernels.setdefault(ordinal, kernel)
+    return kernel
 
 
 def device_uuid(index: int) -> str:
@@ -307,4 +423,3 @@ def local_ordinal_of(uuid_str: str) -> Optional[int]:
         if device_uuid(i) == uuid_str:
             return i
     return None
-

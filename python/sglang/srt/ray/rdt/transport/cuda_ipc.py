@@ -1,310 +1,416 @@
-"""The CUDA IPC path of ``SGLANG_IPC``: GPU tensors between processes of one node.
+"""GPU tensors between processes of one node: CUDA IPC handles and one copy.
 
-The sender exports CUDA IPC handles of the cudaMalloc segments that hold its
-tensors (:meth:`CudaIpcPath.export`); a receiver on the same Ray node that
-sees the sender's GPU maps those segments (:mod:`.mapping_cache`) and copies
-with the copy engine straight into its target buffers.
+The sender describes its tensors by the cudaMalloc segments that hold them
+(:class:`CudaIpcExporter`): a segment's handle is asked of the driver once and
+kept with the segment's allocation id, checked again at every export (a
+segment freed and allocated anew gets a new id, hence a new handle). A reader
+on the same node that sees the sender's GPU maps those segments and copies
+the tensors straight into its targets (:class:`CudaIpcReader`): on one GPU
+with one SM kernel over all tensors (thousands of few-MiB tensors cost what
+one large copy does), between two GPUs with one batched copy-engine call.
 
-Traps this avoids (shared/DESIGN.md section 3): no inter-process CUDA event is
-waited on from another GPU's stream (that segfaulted): the sender synchronises
-its device when it creates the ref, and the receiver synchronises its copy
-streams on the host. The sender never caches handles: every put asks the
-driver for the handle of the segment as it is now.
+Mapping lifetime. CUDA forbids a process to free memory another process
+still has mapped, so a reader closes every mapping it opened for a read once
+the copy is done — unless the segment is *kept*: memory its sender promised
+to keep until it asks readers to let go (the weight-sync client's staging
+pool, ``trainer/staging.py``). Kept segments stay mapped across reads and
+updates; :meth:`CudaIpcReader.release` closes them when their sender asks
+(``release_weight_sync_mappings``) or its process is gone.
 
-Tuning (sglang's ``envs``, read when the path is created): ``SGLANG_RDT_IPC_METHOD``
-(``batch``: one ``cuMemcpyBatchAsync`` per stream, default, falls back to
-``ce`` if the driver refuses; ``ce``: one ``cuMemcpyAsync`` per tensor;
-``kernel``: one SM copy kernel, experimental, needs CuPy),
-``SGLANG_RDT_IPC_STREAMS`` (copy streams, default 1), ``SGLANG_RDT_IPC_ENGINE``
-(``dst``: the receiving GPU reads over NVLink, default; ``src``: the source GPU
-writes, which costs a CUDA context on the source GPU in the receiving process).
-
-Sender and receiver on the same GPU (a colocated trainer and engine): the copy
-is an on-device copy, and one ``cuMemcpyAsync`` per tensor spread over
-``SGLANG_RDT_IPC_SAME_GPU_STREAMS`` streams (default 4) beats one batched copy
-(H200, 8 GiB: batch 1.32 TB/s, one stream 1.33, two 1.52-1.63, four 1.50-1.65
-in the transport; 2.0 TB/s for four streams in one process, against 1.91 for
-one 8 GiB copy; docs/performance.md). ``SGLANG_RDT_IPC_SAME_GPU_METHOD``
-(default ``ce``) picks the method there.
+Traps this avoids (shared/DESIGN.md section 3): no inter-process CUDA event
+is waited on from another GPU's stream (that segfaulted); the sender
+synchronises its device before its tensors are read, and the reader
+synchronises its copy on the host.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
+import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
 
 from sglang.srt.ray.rdt.transport import cuda_driver
-from sglang.srt.ray.rdt.transport.copy_plan import plan_copies, spread
-from sglang.srt.ray.rdt.transport.cuda_driver import (
-    CudaDriverError,
-    device_uuid,
-    launch_batch,
-    local_ordinal_of,
-    prepare_batch,
-    sm_copy,
-)
-from sglang.srt.ray.rdt.transport.mapping_cache import CopyPlan, MappingCache
-from sglang.srt.ray.rdt.transport.metadata import FetchInfo, IpcPart, SglangIpcTransportMetadata
-from sglang.srt.ray.rdt.transport.persistent import all_persistent
+from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, device_uuid, local_ordinal_of
+from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, part_bytes
 
 logger = logging.getLogger(__name__)
 
 
-class CudaIpcPath:
-    max_exports = 4096  # segments whose handles a sender keeps
-    def __init__(self, token: str):
-        self.token = token  # this process's sender identity
-        self.cache = MappingCache()
-        from sglang.srt.environ import envs
+@dataclass
+class Targets:
+    """Where a read lands: tensors and, once computed, their addresses and sizes."""
 
-        self.nstreams = envs.SGLANG_RDT_IPC_STREAMS.get()
-        self.engine = envs.SGLANG_RDT_IPC_ENGINE.get()
-        self.method = envs.SGLANG_RDT_IPC_METHOD.get()
-        # same GPU on both sides: an on-device copy (see the module docstring)
-        self.same_gpu_method = envs.SGLANG_RDT_IPC_SAME_GPU_METHOD.get()
-        self.same_gpu_streams = envs.SGLANG_RDT_IPC_SAME_GPU_STREAMS.get()
-        self._streams: Dict[Tuple[int, int], list] = {}
-        # sender: per GPU, segment base -> (size, allocation id, IPC handle)
-        self._exports: Dict[int, Dict[int, Tuple[int, Optional[int], bytes]]] = {}
-        self._export_starts: Dict[int, List[int]] = {}
+    tensors: List
+    ptrs: np.ndarray
+    nbytes: np.ndarray
+
+    @classmethod
+    def of(cls, tensors) -> "Targets":
+        tensors = list(tensors)
+        ptrs = np.fromiter((t.data_ptr() for t in tensors), np.int64, len(tensors))
+        nbytes = np.fromiter((t.nbytes for t in tensors), np.int64, len(tensors))
+        return cls(tensors, ptrs, nbytes)
+
+    def check(self, nbytes: np.ndarray) -> None:
+        """Raise before any byte moves unless the source's sizes fit exactly."""
+        if len(nbytes) != len(self.tensors):
+            raise ValueError(f"Length of tensor_buffers ({len(self.tensors)}) does not match "
+                             f"length from object metadata ({len(nbytes)}).")
+        bad = np.nonzero(nbytes != self.nbytes)[0]
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"target buffer {i} holds {int(self.nbytes[i])} bytes, the source "
+                             f"tensor {int(nbytes[i])}")
+
+
+# --------------------------------------------------------------------------- #
+# Sender
+# --------------------------------------------------------------------------- #
+class _KnownSegments:
+    """The segments of one GPU this process has exported, sorted by base:
+    ``(base, size, allocation id, handle, kept)`` each."""
+
+    def __init__(self):
+        self.bases = np.zeros(0, np.int64)
+        self.ends = np.zeros(0, np.int64)
+        self.entries: List[Tuple[int, int, Optional[int], bytes, bool]] = []
+
+    def find(self, ptrs: np.ndarray, nbytes: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        idx = np.searchsorted(self.bases, ptrs, side="right") - 1
+        ok = idx >= 0
+        safe = np.where(ok, idx, 0)
+        if len(self.ends):
+            ok &= ptrs + nbytes <= self.ends[safe]
+        else:
+            ok[:] = False
+        return safe, ok
+
+    def replace(self, drop, add) -> None:
+        dropped = set(drop)
+        keep = [e for i, e in enumerate(self.entries) if i not in dropped]
+        for new in add:  # a new segment replaces what it overlaps (freed since)
+            keep = [e for e in keep if e[0] + e[1] <= new[0] or new[0] + new[1] <= e[0]]
+            keep.append(new)
+        keep.sort(key=lambda e: e[0])
+        self.entries = keep
+        self.bases = np.array([e[0] for e in keep], np.int64)
+        self.ends = np.array([e[0] + e[1] for e in keep], np.int64)
+
+
+class CudaIpcExporter:
+    """IPC handles of the segments holding a sender's tensors (see the module docstring).
+
+    ``keeper(ordinal)`` gives, per GPU, the function that says whether a
+    segment base is kept memory (the trainer's staging pool) or None; asked
+    once per segment, when the segment is first seen.
+    """
+
+    max_known = 4096  # segments kept per GPU before the memo starts over
+
+    def __init__(self, token: str, keeper: Callable[[int], Optional[Callable[[int], bool]]]):
+        self.token = token
+        self._keeper = keeper
+        self._known: Dict[int, _KnownSegments] = {}
+        self._lock = threading.Lock()
+
+    def export(self, tensors, ordinal: int, node_id: str) -> IpcPart:
+        """An :class:`IpcPart` of ``tensors`` (contiguous, all on GPU ``ordinal``)."""
+        n = len(tensors)
+        ptrs = np.fromiter((t.data_ptr() for t in tensors), np.int64, n)
+        nbytes = np.fromiter((t.nbytes for t in tensors), np.int64, n)
+        drv = cuda_driver.driver()
+        with self._lock:
+            known = self._known.setdefault(ordinal, _KnownSegments())
+            drv.push(ordinal)
+            try:
+                idx, used = self._resolve(drv, known, ptrs, nbytes, self._keeper(ordinal))
+            finally:
+                drv.pop()
+            entries = [known.entries[j] for j in used]
+            if len(known.entries) > self.max_known:
+                self._known[ordinal] = _KnownSegments()
+        seg = np.searchsorted(used, idx)
+        bases = np.array([e[0] for e in entries], np.int64)
+        return IpcPart(
+            node_id=node_id, sender=self.token, pid=os.getpid(), device_uuid=device_uuid(ordinal),
+            segments=[(e[0], e[1], e[3], e[4]) for e in entries],
+            seg=seg.astype(np.int64), offset=ptrs - bases[seg], nbytes=nbytes,
+        )
+
+    def forget_kept(self, ordinal: int) -> None:
+        """The kept memory of GPU ``ordinal`` is being freed: look its segments up anew."""
+        with self._lock:
+            known = self._known.get(ordinal)
+            if known is not None:
+                known.replace([i for i, e in enumerate(known.entries) if e[4]], [])
+
+    @staticmethod
+    def _resolve(drv, known: _KnownSegments, ptrs, nbytes, kept):
+        """Each tensor's index into ``known`` and the sorted indices used;
+        segments not known (or freed and allocated again) are asked of the
+        driver. Kept segments are not checked again (they cannot be freed
+        while kept)."""
+        for _ in range(3):
+            idx, ok = known.find(ptrs, nbytes)
+            add, seen = [], set()
+            for i in np.nonzero(~ok)[0]:
+                base, size = drv.address_range(int(ptrs[i]))
+                if base not in seen:
+                    seen.add(base)
+                    add.append((base, size, drv.buffer_id(base), drv.ipc_handle(base),
+                                bool(kept(base)) if kept is not None else False))
+            if add:
+                known.replace([], add)
+                continue
+            used = np.unique(idx)
+            stale = [int(j) for j in used if not known.entries[j][4]
+                     and drv.buffer_id(known.entries[j][0]) != known.entries[j][2]]
+            if not stale:
+                return idx, used
+            known.replace(stale, [])
+        raise CudaDriverError("cuMemGetAddressRange", -1, "the tensors' segments keep changing")
+
+
+# --------------------------------------------------------------------------- #
+# Reader
+# --------------------------------------------------------------------------- #
+@dataclass
+class _Mapping:
+    handle: bytes
+    size: int
+    ptr: int
+    ordinal: int
+    pid: int
+
+
+class CudaIpcReader:
+    """Maps senders' segments and copies their tensors into targets."""
+
+    max_kept_senders = 4
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.kept: Dict[Tuple[str, int], _Mapping] = {}  # (sender, base) -> mapping
         self._ordinals: Dict[str, Optional[int]] = {}
+        self._tables: Dict[int, tuple] = {}  # id(targets ptrs) -> (ptrs, src, device table)
+        self._no_kernel: Optional[str] = None
 
     def ordinal(self, uuid_str: str) -> Optional[int]:
-        """This process's index of the GPU ``uuid_str`` (None: not visible)."""
         if uuid_str not in self._ordinals:
             self._ordinals[uuid_str] = local_ordinal_of(uuid_str)
         return self._ordinals[uuid_str]
 
-    # -- sender ------------------------------------------------------------ #
-    def export(self, tensors, ordinal: int, node_id: str, persistent: bool = False) -> IpcPart:
-        """IPC handles of the segments holding ``tensors`` (all on GPU ``ordinal``);
-        ``persistent``: the owner declares them kept across updates.
-
-        A segment's handle is asked of the driver once and kept with the
-        segment's allocation id (``cuPointerGetAttribute(BUFFER_ID)``, unique
-        per allocation in this process); every put checks that id again, so a
-        segment freed and allocated anew (same address, a new allocation) gets
-        a new handle. One driver call per segment per put instead of two
-        (range + handle: ~4 ms for 256 segments on an H200 host).
-        """
-        drv = cuda_driver.driver()
-        segments: List[Tuple[int, int, bytes]] = []
-        index: Dict[int, int] = {}
-        per_tensor = []
-        known = self._exports.setdefault(ordinal, {})
-        starts = self._export_starts.get(ordinal) or []
-        checked: Dict[int, bool] = {}  # segment base -> still the allocation we know
-        drv.push(ordinal)
-        try:
-            for t in tensors:
-                ptr = t.data_ptr()
-                nbytes = t.numel() * t.element_size()
-                seg = None
-                i = bisect.bisect_right(starts, ptr) - 1
-                if i >= 0:
-                    base = starts[i]
-                    size, bid, handle = known[base]
-                    if ptr + nbytes <= base + size:
-                        ok = checked.get(base)
-                        if ok is None:
-                            ok = checked[base] = drv.buffer_id(base) == bid
-                        if ok:
-                            seg = index.get(base)
-                            if seg is None:
-                                seg = index[base] = len(segments)
-                                segments.append((base, size, handle))
-                if seg is None:
-                    base, size = drv.address_range(ptr)
-                    seg = index.get(base)
-                    if seg is None:
-                        handle = drv.ipc_handle(base)
-                        known[base] = (size, drv.buffer_id(base), handle)
-                        checked[base] = True
-                        seg = index[base] = len(segments)
-                        segments.append((base, size, handle))
-                        # drop known segments this one overlaps (freed since)
-                        for b in [b for b in known if b != base and b < base + size
-                                  and base < b + known[b][0]]:
-                            del known[b]
-                        starts = self._export_starts[ordinal] = sorted(known)
-                per_tensor.append((seg, ptr - segments[seg][0], nbytes))
-            if len(known) > self.max_exports:
-                known.clear()
-                self._export_starts[ordinal] = []
-        finally:
-            drv.pop()
-        return IpcPart(
-            node_id=node_id, sender=self.token, pid=os.getpid(),
-            device_uuid=device_uuid(ordinal), segments=segments, tensors=per_tensor,
-            persistent=persistent or all_persistent(ordinal, segments),
-        )
-
-    # -- receiver ---------------------------------------------------------- #
-    def unusable(self, meta: SglangIpcTransportMetadata, targets, node_id: str) -> Optional[str]:
-        """None when this process can read ``meta`` over CUDA IPC, else why not."""
+    def unusable(self, part: IpcPart, device, node_id: str) -> Optional[str]:
+        """None when this process can read ``part`` into tensors on ``device``."""
         import torch
 
-        if meta.ipc is None:
-            return meta.ipc_unavailable or "the sender put no CUDA IPC handles"
         if not torch.cuda.is_available():
             return "no CUDA device in this process"
-        if node_id != meta.ipc.node_id:
+        if node_id != part.node_id:
             return "the sender is on another node"
-        if self.ordinal(meta.ipc.device_uuid) is None:
-            return (
-                f"the sender's GPU {meta.ipc.device_uuid} is not visible here (set "
-                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 for the receiving actors)"
-            )
-        if targets:
-            devs = {t.device for t in targets}
-            if len(devs) != 1 or next(iter(devs)).type != "cuda":
-                return f"target buffers on {sorted(map(str, devs))}"
+        if self.ordinal(part.device_uuid) is None:
+            return (f"the sender's GPU {part.device_uuid} is not visible here (set "
+                    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 for the receiving actors)")
+        if device is None or device.type != "cuda":
+            return f"target buffers on {device}"
         return None
 
-    def copy_config(self, src_ord: int, dst_ord: int) -> Tuple[str, int]:
-        """(method, streams) of a copy from GPU ``src_ord`` into ``dst_ord``."""
-        if src_ord == dst_ord:
-            return self.same_gpu_method, self.same_gpu_streams
-        return self.method, self.nstreams
-
-    def _streams_for(self, ordinal: int, n: int) -> list:
+    def read(self, part: IpcPart, targets: Targets, device, copy: bool = True) -> ReadResult:
+        """Copy ``part``'s tensors into ``targets`` (all on ``device``).
+        ``copy=False``: map the kept segments only. Raises
+        :class:`MappingFailed` before any byte moved when a segment cannot be
+        mapped (another reader, e.g. NIXL, may still serve the read)."""
         import torch
 
-        n = max(1, n)
-        streams = self._streams.get((ordinal, n))
-        if streams is None:
-            streams = self._streams[(ordinal, n)] = [
-                torch.cuda.Stream(device=ordinal) for _ in range(n)
-            ]
-        return streams
-
-    def receive(self, meta: SglangIpcTransportMetadata, targets, info: FetchInfo, copy: bool = True,
-                while_copying=None):
-        """Copy ``meta``'s tensors into ``targets``; ``copy=False``: only map
-        the sender's segments and plan the copies (kept for the next fetch).
-        ``while_copying(True)`` runs once the copies are launched (bytes are
-        being written), while the copy engine works; what it raises is raised
-        after the copies finished."""
-        import torch
-
-        ipc = meta.ipc
-        if targets:
-            tensors = list(targets)
-        else:
-            dev = torch.device("cuda", torch.cuda.current_device())
-            tensors = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in meta.tensor_meta]
-        if len(tensors) != len(ipc.tensors):
-            raise ValueError(
-                f"Length of tensor_buffers ({len(tensors)}) does not match length from "
-                f"object metadata ({len(ipc.tensors)})."
-            )
-        dst_ptrs = [t.data_ptr() for t in tensors]
-        dst_ord = tensors[0].device.index
-        src_ord = self.ordinal(ipc.device_uuid)
-        engine_ord = src_ord if self.engine == "src" else dst_ord
-        method, nstreams = self.copy_config(src_ord, dst_ord)
-        info.tensors, info.bytes = len(tensors), sum(n for _, _, n in ipc.tensors)
-        info.engine = self.engine
-        key = (ipc.sender, engine_ord, dst_ord, src_ord, method, nstreams,
-               dst_ptrs[0] if dst_ptrs else 0, len(dst_ptrs))
-        cache = self.cache
-        with cache.lock:
-            cache.fetches += 1
-            t0 = time.perf_counter()
-            plan = cache.plan(key, dst_ptrs, ipc)
-            if plan is None:
-                plan = self._new_plan(key, ipc, tensors, dst_ptrs, bool(targets),
-                                      (src_ord, dst_ord, engine_ord), (method, nstreams), info)
-                info.plan = "new"
-            else:
-                # The same tensors from the same sender segments into the same
-                # targets, and no mapping closed since: reuse the plan.
-                info.reused = len(plan.mappings)
-                info.plan = "reused"
-            info.open_seconds = time.perf_counter() - t0
-            info.copies, info.streams, info.method = plan.copies, len(plan.queues), method
-            if copy:
-                t1 = time.perf_counter()
-                self._launch(plan, engine_ord, dst_ord, method, info)
-                cache.used(plan, ipc.sender)  # bookkeeping while the copy engine works
-                failed = None
-                if while_copying is not None:
+        t0 = time.perf_counter()
+        targets.check(part.nbytes)
+        dst_ord = device.index if device.index is not None else torch.cuda.current_device()
+        src_ord = self.ordinal(part.device_uuid)
+        res = ReadResult("cuda_ipc", len(targets.tensors), part_bytes(part.nbytes), 0.0)
+        transient: List[int] = []
+        stream = torch.cuda.current_stream(dst_ord)
+        with self.lock:
+            drv = cuda_driver.driver()
+            drv.push(dst_ord)
+            launched = False
+            try:
+                bases = self._map(drv, part, dst_ord, res, transient, copy)
+                if copy and len(targets.tensors):
+                    src = bases[part.seg] + part.offset
+                    t1 = time.perf_counter()
+                    launched = True
+                    res.method = self._copy(drv, targets, src, part.nbytes, src_ord, dst_ord)
+                    stream.synchronize()
+                    launched = False
+                    res.copy_seconds = time.perf_counter() - t1
+            finally:
+                if launched:  # a copy may still read the mappings: let it end first
                     try:
-                        while_copying(True)
-                    except BaseException as e:  # raised once no copy is in flight
-                        failed = e
-                for s in plan.streams:
-                    s.synchronize()  # host-side: no cross-GPU event wait
-                info.copy_seconds = time.perf_counter() - t1
-                if failed is not None:
-                    raise failed
-            else:
-                cache.used(plan, ipc.sender)
-            if not cache.enabled:
-                cache.close_pending()
-        return tensors
+                        stream.synchronize()
+                    except Exception:  # pragma: no cover - the CUDA error is raised already
+                        pass
+                for ptr in transient:  # after the copy: the sender may free it now
+                    self._close(drv, ptr)
+                res.closed = len(transient)
+                drv.pop()
+        res.seconds = time.perf_counter() - t0
+        return res
 
-    def _new_plan(self, key, ipc: IpcPart, tensors, dst_ptrs, given_targets: bool,
-                  ordinals, config, info: FetchInfo) -> CopyPlan:
-        """Check the targets, map the segments and plan the copies."""
-        src_ord, dst_ord, engine_ord = ordinals
-        method, nstreams = config
-        for i, (t, (_, _, nbytes)) in enumerate(zip(tensors, ipc.tensors)):
-            # Ray checked given targets for contiguity already.
-            if t.nbytes != nbytes or (not given_targets and not t.is_contiguous()):
-                raise ValueError(f"target buffer {i} is not a contiguous buffer of {nbytes} bytes")
-        if engine_ord != dst_ord:
-            cuda_driver.driver().enable_peer_access(engine_ord, dst_ord)
-        mapped = self.cache.map_segments(ipc, engine_ord, info)
-        copies = plan_copies(
-            [(d, mapped[seg] + off, n) for d, (seg, off, n) in zip(dst_ptrs, ipc.tensors)]
-        )
-        streams = self._streams_for(engine_ord, nstreams)
-        queues = spread(copies, len(streams))
-        plan = CopyPlan(
-            key=key, generation=self.cache.generation, dst_ptrs=dst_ptrs,
-            segments=ipc.segments, tensors=ipc.tensors, copies=len(copies),
-            queues=queues, streams=streams[: len(queues)],
-            batch=[prepare_batch(q, src_ord, dst_ord) for q in queues]
-            if method == "batch" else None,
-            mappings=[self.cache.mappings[(ipc.sender, base)] for base, _, _ in ipc.segments],
-        )
-        self.cache.keep_plan(key, plan)
-        return plan
+    def map_kept(self, part: IpcPart, device) -> int:
+        """Map ``part``'s kept segments now (before any read needs them);
+        returns how many were opened."""
+        ordinal = device.index if device.index is not None else 0
+        res = ReadResult("cuda_ipc", 0, 0, 0.0)
+        with self.lock:
+            drv = cuda_driver.driver()
+            drv.push(ordinal)
+            try:
+                self._map(drv, part, ordinal, res, [], copy=False)
+            finally:
+                drv.pop()
+        return res.opened
 
-    def _launch(self, plan: CopyPlan, engine_ord: int, dst_ord: int, method: str,
-                info: FetchInfo) -> None:
-        import torch
-
-        drv = cuda_driver.driver()
-        # The copies start after what the receiver already queued on its
-        # device (same-process events: safe even across GPUs).
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(dst_ord))
-        drv.push(engine_ord)
-        try:
-            for i, (q, s) in enumerate(zip(plan.queues, plan.streams)):
-                s.wait_event(ready)
-                h = s.cuda_stream
-                if method == "kernel":
-                    sm_copy(q, engine_ord, h)
+    def _map(self, drv, part: IpcPart, ordinal: int, res: ReadResult, transient: List[int],
+             copy: bool) -> np.ndarray:
+        out = np.zeros(len(part.segments), np.int64)
+        for i, (base, size, handle, keep) in enumerate(part.segments):
+            key = (part.sender, base)
+            m = self.kept.get(key)
+            if m is not None and (m.handle != handle or m.size != size or m.ordinal != ordinal):
+                self._close(drv, self.kept.pop(key).ptr)  # freed and allocated anew
+                m = None
+            if m is None:
+                if not (keep or copy):
+                    continue  # a prepare maps only what stays mapped
+                try:
+                    ptr = drv.ipc_open(handle)
+                except CudaDriverError as e:
+                    for p in transient:
+                        self._close(drv, p)
+                    transient.clear()
+                    raise MappingFailed(f"cuIpcOpenMemHandle: {e}") from e
+                res.opened += 1
+                if keep:
+                    m = self.kept[key] = _Mapping(handle, size, ptr, ordinal, part.pid)
+                else:
+                    transient.append(ptr)
+                    out[i] = ptr
                     continue
-                if method == "batch" and plan.batch is not None:
-                    try:
-                        launch_batch(drv, plan.batch[i], h)
-                        continue
-                    except CudaDriverError as e:
-                        # Refused before anything was queued; copies are idempotent.
-                        logger.warning("[RDT] cuMemcpyBatchAsync refused (%s): one copy per "
-                                       "tensor from now on", e)
-                        self.method = info.method = "ce"
-                        if self.same_gpu_method == "batch":
-                            self.same_gpu_method = "ce"
-                        self.cache.plans.clear()
-                for dst, src, n in q:
-                    drv.memcpy_async(dst, src, n, h)
-        finally:
-            drv.pop()
+            else:
+                res.reused += 1
+            out[i] = m.ptr
+        if len({s for s, _ in self.kept}) > self.max_kept_senders:
+            self._evict_oldest(drv, part.sender)
+        return out
+
+    def _copy(self, drv, targets: Targets, src: np.ndarray, nbytes: np.ndarray,
+              src_ord: int, dst_ord: int) -> str:
+        import torch
+
+        stream = torch.cuda.current_stream(dst_ord).cuda_stream
+        if src_ord == dst_ord and self._no_kernel is None:
+            try:
+                kernel = cuda_driver.copy_kernel(dst_ord)
+            except (OSError, CudaDriverError) as e:
+                self._no_kernel = str(e)
+                logger.warning("[RDT] no SM copy kernel (%s): one copy-engine call per tensor", e)
+            else:
+                table = self._table(targets, src, nbytes, dst_ord)
+                kernel.launch(table.data_ptr(), table.numel() // 3, stream)
+                return "kernel"
+        if src_ord != dst_ord:
+            try:
+                cuda_driver.memcpy_batch(drv, targets.ptrs, src, nbytes, stream, src_ord, dst_ord)
+                return "batch"
+            except CudaDriverError as e:  # refused before anything was queued
+                logger.debug("[RDT] cuMemcpyBatchAsync refused (%s): one call per tensor", e)
+        for d, s, n in zip(targets.ptrs.tolist(), src.tolist(), nbytes.tolist()):
+            drv.memcpy_async(d, s, n, stream)
+        return "ce"
+
+    def _table(self, targets: Targets, src: np.ndarray, nbytes: np.ndarray, ordinal: int):
+        """The kernel's device table; the last one of these targets is reused
+        when the sources are the same (a kept segment, the same offsets)."""
+        import torch
+
+        cached = self._tables.get(id(targets.ptrs))
+        if cached is not None and cached[0] is targets.ptrs and np.array_equal(cached[1], src):
+            return cached[2]
+        host = cuda_driver.chunk_table(targets.ptrs, src, nbytes)
+        table = torch.from_numpy(host.view(np.int64)).to(torch.device("cuda", ordinal))
+        if len(self._tables) >= 64:
+            self._tables.clear()
+        self._tables[id(targets.ptrs)] = (targets.ptrs, src, table)
+        return table
+
+    def _close(self, drv, ptr: int) -> None:
+        try:
+            drv.ipc_close(ptr)
+        except CudaDriverError as e:  # pragma: no cover - best effort
+            logger.warning("[RDT] closing a CUDA IPC mapping failed: %s", e)
+
+    def _evict_oldest(self, drv, current: str) -> None:
+        senders = list(dict.fromkeys(s for s, _ in self.kept))
+        for sender in senders[: len(senders) - self.max_kept_senders]:
+            if sender != current:
+                self._release_locked(drv, lambda key, m, s=sender: key[0] == s)
+
+    def release(self, sender: Optional[str] = None, gone_only: bool = False) -> int:
+        """Close the kept mappings of ``sender`` (every sender: None;
+        ``gone_only``: only those of sender processes that exited)."""
+        if not self.kept:
+            return 0
+
+        alive: Dict[int, bool] = {}  # one look per sender process
+
+        def match(key, m) -> bool:
+            if sender is not None and key[0] != sender:
+                return False
+            if not gone_only:
+                return True
+            if m.pid not in alive:
+                alive[m.pid] = _pid_alive(m.pid)
+            return not alive[m.pid]
+
+        with self.lock:
+            drv = cuda_driver.driver()
+            return self._release_locked(drv, match)
+
+    def _release_locked(self, drv, match) -> int:
+        keys = [k for k, m in self.kept.items() if match(k, m)]
+        if not keys:
+            return 0
+        by_ordinal: Dict[int, List[int]] = {}
+        for k in keys:
+            m = self.kept.pop(k)
+            by_ordinal.setdefault(m.ordinal, []).append(m.ptr)
+        for ordinal, ptrs in by_ordinal.items():
+            drv.push(ordinal)
+            try:
+                for ptr in ptrs:
+                    self._close(drv, ptr)
+            finally:
+                drv.pop()
+        self._tables.clear()  # a table may point into a closed mapping
+        return len(keys)
+
+    def stats(self) -> Dict[str, int]:
+        with self.lock:
+            return {"kept_mappings": len(self.kept),
+                    "kept_bytes": sum(m.size for m in self.kept.values()),
+                    "kept_senders": len({s for s, _ in self.kept})}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,7 +1,9 @@
-"""What an ``SGLANG_IPC`` ref carries, and what a fetch of one reports.
+"""What a same-node read is given, and what it reports back.
 
-Plain dataclasses, pickled by Ray from the sender to every receiver (by this
-module's name: sender and receivers run the same fork).
+Plain dataclasses pickled from the sender to every reader (by this module's
+name: sender and readers run the same fork): inside an ``SGLANG_IPC`` ref's
+metadata (Ray carries it) or in a lane request (``engine/local_lane.py``).
+Per-tensor fields are numpy arrays: thousands of tensors cost one buffer each.
 """
 
 from __future__ import annotations
@@ -9,14 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+import numpy as np
+
 from sglang.srt.ray.rdt.transport.compat import transport_base_classes
 
 CommunicatorMetadata, _TransportManager, TensorTransportMetadata = transport_base_classes()
 
-
-@dataclass
-class IpcCommunicatorMetadata(CommunicatorMetadata):  # type: ignore[misc,valid-type]
-    """Nothing: the transport is one-sided."""
+# (segment base in the sender, segment size, 64-byte IPC handle, kept): a
+# kept segment belongs to memory its sender keeps across updates (the
+# client's staging pool): readers keep it mapped until the sender releases it.
+Segment = Tuple[int, int, bytes, bool]
 
 
 @dataclass
@@ -27,57 +31,70 @@ class IpcPart:
     sender: str  # one token per sender process
     pid: int
     device_uuid: str
-    # (segment base in the sender, segment size, 64-byte IPC handle)
-    segments: List[Tuple[int, int, bytes]]
-    # per tensor: (segment index, byte offset in the segment, nbytes)
-    tensors: List[Tuple[int, int, int]]
-    # every segment is a buffer its owner keeps across updates and releases
-    # only after asking the receivers to unmap it (WeightSyncClient's buckets)
-    persistent: bool = False
+    segments: List[Segment]
+    seg: np.ndarray  # per tensor: index into segments (int64)
+    offset: np.ndarray  # per tensor: byte offset in its segment (int64)
+    nbytes: np.ndarray  # per tensor (int64)
 
 
 @dataclass
 class CmaPart:
-    """CPU tensors readable with process_vm_readv by a process on this host."""
+    """Host-memory tensors readable with process_vm_readv on this host."""
 
     node_id: str
     sender: str
     pid: int
     start_time: int  # the sender's /proc/<pid>/stat start time (pid reuse guard)
-    tensors: List[Tuple[int, int]]  # (address, nbytes) per tensor
+    address: np.ndarray  # per tensor (int64)
+    nbytes: np.ndarray  # per tensor (int64)
 
 
 @dataclass
 class SglangIpcTransportMetadata(TensorTransportMetadata):  # type: ignore[misc,valid-type]
+    """An ``SGLANG_IPC`` ref's metadata (``tensor_meta``: shapes and dtypes)."""
+
     ipc: Optional[IpcPart] = None
-    ipc_unavailable: Optional[str] = None
     cma: Optional[CmaPart] = None
-    nixl: Any = None  # a NixlTransportMetadata, or None
+    ipc_unavailable: Optional[str] = None  # why the sender put no same-node part
+    nixl: Any = None  # Ray's NixlTransportMetadata of the same tensors
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
 
 @dataclass
-class FetchInfo:
-    """What one fetch of a ref did in this process: the path, why, timings."""
+class IpcCommunicatorMetadata(CommunicatorMetadata):  # type: ignore[misc,valid-type]
+    """Nothing: the transport is one-sided."""
 
-    obj_id: str
+
+@dataclass
+class ReadResult:
+    """What one read of a source into its targets did, returned by the reader."""
+
     path: str  # "cuda_ipc" | "cma" | "nixl"
-    reason: Optional[str] = None
-    tensors: int = 0
-    bytes: int = 0
-    copies: int = 0
-    streams: int = 0
-    engine: str = ""
-    method: str = ""
-    opened: int = 0
-    reused: int = 0
-    open_seconds: float = 0.0
+    tensors: int
+    bytes: int
+    seconds: float
+    reason: Optional[str] = None  # why not a same-node read (path "nixl")
+    method: str = ""  # how the bytes moved: kernel | batch | ce | process_vm_readv | nixl
+    opened: int = 0  # CUDA IPC mappings opened for this read
+    reused: int = 0  # mappings found open (kept segments)
+    closed: int = 0  # mappings of segments not kept, closed after the copy
     copy_seconds: float = 0.0
-    seconds: float = 0.0
-    plan: str = ""  # "new" | "reused" (the last identical pull's checked copy plan)
+
+    @property
+    def label(self) -> str:
+        return self.path if not self.reason else f"{self.path} ({self.reason})"
 
 
 class MappingFailed(RuntimeError):
     """A same-node read was refused before any byte moved (NIXL may still serve it)."""
+
+
+def part_bytes(nbytes: np.ndarray) -> int:
+    return int(nbytes.sum()) if len(nbytes) else 0
+
+
+def pack_specs(tensors) -> List[Tuple[Tuple[int, ...], Any]]:
+    """``(shape, dtype)`` of each tensor: what a reader plans targets from."""
+    return [(tuple(t.shape), t.dtype) for t in tensors]

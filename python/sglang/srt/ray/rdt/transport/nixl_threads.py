@@ -1,0 +1,95 @@
+"""This process's Ray NIXL agent, with its busy progress thread at idle priority.
+
+NIXL's Python API starts the UCX progress thread of every agent with a poll
+delay of 0, and Ray 2.60 builds each process's NIXL agent through that API
+with no setting for it: the thread never sleeps, and keeps a core busy for the
+life of every process that touched NIXL (measured: 1.0 core, idle or not). On
+a rollout node that is a core per rank taken from scheduling and
+tokenization; on a small CPU host it halves everything else.
+
+:func:`start_nixl_agent` builds the agent where this package first needs it —
+a rank registering its parameters, the client's bucket slots, the first
+``SGLANG_IPC`` put or NIXL read of a process — and gives every thread the
+agent started that keeps spinning the ``SCHED_IDLE`` scheduling policy: it
+then runs only on CPU time nothing else of the host wants, and NIXL's own
+transfers (progressed by the threads that wait on them) are not slowed.
+Nothing of NIXL's or Ray's is changed. A trainer that puts tensors with
+``_tensor_transport="nixl"`` itself calls it once, before its first put.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Dict, Set
+
+from sglang.srt.ray.rdt.transport import compat
+
+logger = logging.getLogger(__name__)
+
+# How long new threads are watched, and the share of a core that counts as spinning.
+WATCH_S = 0.1
+SPINNING_SHARE = 0.5
+
+_lock = threading.Lock()
+_started = False
+_idled = 0
+
+
+def start_nixl_agent() -> int:
+    """Build this process's Ray NIXL agent (once; nothing if it exists) and
+    put the threads it started that spin at ``SCHED_IDLE``. Returns how many."""
+    global _started, _idled
+    if _started:
+        return _idled
+    with _lock:
+        if _started:
+            return _idled
+        _started = True
+        before = _threads()
+        compat.transport_manager("NIXL").get_nixl_agent()
+        new = _threads() - before
+        spinning = _spinning(new) if new else set()
+        for tid in spinning:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                _idled += 1
+            except OSError as e:  # the thread ended, or the policy is refused here
+                logger.info("[RDT] NIXL progress thread %d keeps its priority: %s", tid, e)
+        if _idled:
+            logger.info("[RDT] NIXL's progress thread polls without sleeping; it runs at idle "
+                        "priority in this process (%d thread(s))", _idled)
+        return _idled
+
+
+def idle_threads() -> int:
+    """How many threads :func:`start_nixl_agent` put at idle priority here."""
+    return _idled
+
+
+def _threads() -> Set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # no /proc: nothing to watch
+        return set()
+
+
+def _cpu_ticks(tid: int) -> int:
+    try:
+        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+
+
+def _spinning(tids: Set[int]) -> Set[int]:
+    """The threads of ``tids`` that used at least :data:`SPINNING_SHARE` of a
+    core while watched for :data:`WATCH_S`."""
+    start: Dict[int, int] = {t: _cpu_ticks(t) for t in tids}
+    time.sleep(WATCH_S)
+    ticks = WATCH_S * os.sysconf("SC_CLK_TCK")
+    return {t for t in tids if _cpu_ticks(t) - start[t] >= SPINNING_SHARE * ticks}

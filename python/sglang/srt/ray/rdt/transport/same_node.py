@@ -1,0 +1,162 @@
+"""Same-node reads: this process's sender identity, its exporter and its reader.
+
+A sender describes tensors so that a process on its node can read them
+without a network stack (:func:`export`): GPU tensors by the CUDA IPC handles
+of their segments (:mod:`.cuda_ipc`), host-memory tensors by their addresses
+for ``process_vm_readv`` (:mod:`.cma`). A reader reads such a description
+into its targets (:func:`read`) and says what it did (a
+:class:`~.metadata.ReadResult`). The description travels in an
+``SGLANG_IPC`` ref (:mod:`.sglang_ipc`) or in a request on a rank's call lane
+(``engine/local_lane.py``); either way the same reader reads it.
+
+One exporter and one reader per process (the reader's kept CUDA IPC mappings
+are per process); :func:`token` is the process's identity as a sender.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any, Callable, Dict, Optional
+
+from sglang.srt.ray.rdt.transport.cma import CmaPath, export_cma
+from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader, Targets
+from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransportMetadata
+
+__all__ = ["Targets", "export", "read", "unusable", "release", "token", "node_id", "reach"]
+
+_TOKEN = uuid.uuid4().hex
+_lock = threading.Lock()
+_exporter: Optional[CudaIpcExporter] = None
+_ipc_reader: Optional[CudaIpcReader] = None
+_cma: Optional[CmaPath] = None
+_node_id: Optional[str] = None
+_reach: Optional[Dict[str, Any]] = None
+# Per GPU: whether a segment base is kept memory (the trainer's staging pool).
+_keepers: Dict[int, Callable[[int], bool]] = {}
+
+
+def token() -> str:
+    """This process's identity as a sender (readers key kept mappings by it)."""
+    return _TOKEN
+
+
+def node_id() -> str:
+    """This process's Ray node id."""
+    global _node_id
+    if _node_id is None:
+        import ray
+
+        _node_id = ray.get_runtime_context().get_node_id()
+    return _node_id
+
+
+def reach() -> Dict[str, Any]:
+    """Where this process reads from: its Ray node and the UUIDs of the GPUs it sees."""
+    global _reach
+    if _reach is None:
+        import torch
+
+        from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
+
+        gpus = [device_uuid(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+        _reach = {"node_id": node_id(), "gpus": gpus}
+    return dict(_reach)
+
+
+def _parts():
+    global _exporter, _ipc_reader, _cma
+    with _lock:
+        if _exporter is None:
+            _exporter = CudaIpcExporter(_TOKEN, _keepers.get)
+            _ipc_reader, _cma = CudaIpcReader(), CmaPath()
+        return _exporter, _ipc_reader, _cma
+
+
+def set_keeper(ordinal: int, holds: Optional[Callable[[int], bool]]) -> None:
+    """Declare (or, with None, withdraw) the function saying which segments of
+    GPU ``ordinal`` this process keeps until it releases the readers (the
+    staging pool, ``trainer/staging.py``): readers keep those mapped."""
+    with _lock:
+        if holds is None:
+            _keepers.pop(ordinal, None)
+        else:
+            _keepers[ordinal] = holds
+    if holds is None and _exporter is not None:
+        _exporter.forget_kept(ordinal)
+
+
+def export(tensors, with_specs: bool = True) -> SglangIpcTransportMetadata:
+    """Describe ``tensors`` (contiguous, all on one device) for a same-node
+    reader (``with_specs=False``: without their shapes and dtypes, for a
+    reader that knows them). The caller makes sure queued work on them is
+    done before anyone reads them."""
+    meta = SglangIpcTransportMetadata(
+        tensor_meta=[(tuple(t.shape), t.dtype) for t in tensors] if with_specs else [],
+        tensor_device=tensors[0].device.type if tensors else None)
+    if not tensors:
+        return meta
+    device = tensors[0].device
+    if device.type == "cpu":
+        meta.cma = export_cma(tensors, _TOKEN, node_id())
+        if meta.cma is None:
+            meta.ipc_unavailable = "/proc is not readable here"
+    elif device.type == "cuda":
+        exporter = _parts()[0]
+        meta.ipc = exporter.export(tensors, device.index, node_id())
+    else:
+        meta.ipc_unavailable = f"tensors on {device.type}"
+    return meta
+
+
+def unusable(meta: SglangIpcTransportMetadata, device) -> Optional[str]:
+    """None when this process can read ``meta`` into tensors on ``device``, else why not."""
+    _, ipc, cma = _parts()
+    if meta.cma is not None:
+        return cma.unusable(meta.cma, device, node_id())
+    if meta.ipc is not None:
+        return ipc.unusable(meta.ipc, device, node_id())
+    return meta.ipc_unavailable or "the sender put no same-node part"
+
+
+def read(meta: SglangIpcTransportMetadata, targets: Targets, device, copy: bool = True) -> ReadResult:
+    """Read ``meta``'s tensors into ``targets`` (call :func:`unusable` first).
+    Raises :class:`~.metadata.MappingFailed` before any byte moved when the
+    kernel or the driver refuses; anything raised later means bytes may have
+    landed."""
+    _, ipc, cma = _parts()
+    if meta.cma is not None:
+        return cma.read(meta.cma, targets, copy)
+    return ipc.read(meta.ipc, targets, device, copy)
+
+
+def map_kept(meta: SglangIpcTransportMetadata, device) -> int:
+    """Map the kept segments of ``meta`` (GPU) now, so that the first read of
+    memory a trainer keeps costs what later ones do. Returns how many opened."""
+    if meta.ipc is None or unusable(meta, device) is not None:
+        return 0
+    return _parts()[1].map_kept(meta.ipc, device)
+
+
+def release(sender: Optional[str] = None, gone_only: bool = False) -> int:
+    """Close the kept mappings of ``sender``'s memory (every sender: None;
+    ``gone_only``: of senders whose process exited). Returns how many."""
+    if _ipc_reader is None:
+        return 0
+    return _ipc_reader.release(sender, gone_only)
+
+
+def warm(device) -> None:
+    """Build what the first read into ``device`` would (the copy kernel: ~0.1 s)."""
+    from sglang.srt.ray.rdt.transport.cuda_driver import copy_kernel
+
+    try:
+        copy_kernel(device.index if device.index is not None else 0)
+    except Exception as e:  # the read falls back to the copy engine and says why
+        import logging
+
+        logging.getLogger(__name__).info("[RDT] no SM copy kernel: %s", e)
+
+
+def stats() -> Dict[str, int]:
+    return _ipc_reader.stats() if _ipc_reader is not None else {"kept_mappings": 0}

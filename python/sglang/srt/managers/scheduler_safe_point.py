@@ -22,21 +22,10 @@ this safe point, and the wait goes on (the caller then gets the GIL back
 without a fight). Only a rank that takes its requests alone does this (no
 tensor/pipeline peers and no DP attention, whose ranks go round in lockstep
 with it through a broadcast).
-
-While the loop waits there it touches nothing, so a caller whose task only
-reads and writes what the loop leaves alone while it waits (a pull: bytes into
-parameters, the rank's own weight-sync state) may run it on its own thread
-instead of handing it over (``call(..., lend=True)``): :meth:`parked` marks
-the wait, and the loop cannot leave it while such a task runs. That saves
-the two thread hand-overs (waking the loop, and the caller waking again;
-~0.15 ms a call on a 2-core host). Tasks that must run on the scheduler's
-own thread (post-load processing: sglang keeps per-thread forward state)
-are never lent, and a queued task is never overtaken.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -74,15 +63,6 @@ class SafePointQueue:
         # idle wait; None: not built yet; False: this loop must not wait.
         self._idle_poller: Any = None
         self.idle_waits = 0  # how many times the loop waited (status, tests)
-        # The loop's idle wait, lent to callers (see parked()): _parked is set
-        # and cleared under _park, and a lent task runs holding it.
-        self._park = threading.Lock()
-        self._parked = False
-        self._parked_scheduler: Any = None
-        self._still_idle: Optional[Callable[[], bool]] = None
-        self.lent = 0  # tasks run on their caller's thread (status, tests)
-        self._lent_thread: Optional[int] = None  # the thread running a lent task
-        self.lending = _lending_enabled()
 
     def wake_fd(self) -> int:
         """A file descriptor that becomes readable whenever a task is queued.
@@ -182,53 +162,6 @@ class SafePointQueue:
             self._idle_poller = _build_idle_poller(scheduler, self.wake_fd()) or False
         return self._idle_poller or None
 
-    @contextlib.contextmanager
-    def parked(self, scheduler, still_idle: Optional[Callable[[], bool]] = None):
-        """The loop thread waits inside this (a poll for requests and the wake
-        pipe) and touches nothing meanwhile: a caller may run a lent task on
-        its own thread then, one at a time. Leaving waits for a lent task
-        that is running. ``still_idle()`` (called by a caller after its task,
-        the loop still parked) says whether the loop may keep waiting; when
-        it may not, the caller wakes it."""
-        with self._park:
-            self._parked_scheduler = scheduler
-            self._still_idle = still_idle
-            self._parked = True
-        try:
-            yield
-        finally:
-            # Lend no more from here (a request the poll saw is taken in
-            # before any later pull), then wait for a lent task that runs.
-            self._parked = False
-            with self._park:
-                pass
-
-    def _run_lent(self, fn: Callable[[Any], Any], queued: float) -> Any:
-        """Run ``fn`` here if the loop is parked and nothing is queued ahead
-        of it; returns ``_NOT_LENT`` otherwise."""
-        if not self._parked or not self._park.acquire(blocking=False):
-            return _NOT_LENT  # not waiting, or another caller holds it
-        try:
-            if not self._parked or not self._tasks.empty() or self._state != "running":
-                return _NOT_LENT
-            self.lent += 1
-            stamps = {"queued": queued, "started": time.perf_counter(), "lent": True}
-            self._lent_thread = threading.get_ident()
-            try:
-                result = fn(self._parked_scheduler)
-            finally:
-                self._lent_thread = None
-                stamps["finished"] = time.perf_counter()
-                try:
-                    still = self._still_idle is None or self._still_idle()
-                except Exception:
-                    still = False
-                if not still:
-                    self._wake()  # the task changed what the loop waits for
-            return _stamped(result, stamps)
-        finally:
-            self._park.release()
-
     def _wait_for_work(self, scheduler) -> None:
         poller, sockets = self._idle_poller
         deadline = time.monotonic() + IDLE_WAIT_S
@@ -237,8 +170,7 @@ class SafePointQueue:
             remaining_ms = (deadline - time.monotonic()) * 1000
             if remaining_ms <= 0:
                 return
-            with self.parked(scheduler, lambda: self._may_wait(scheduler)):
-                events = dict(poller.poll(max(1, int(remaining_ms))))  # the GIL is free meanwhile
+            events = dict(poller.poll(max(1, int(remaining_ms))))  # the GIL is free meanwhile
             if not events:
                 return  # time for a round of the loop
             if any(sock in events for sock in sockets):
@@ -278,14 +210,11 @@ class SafePointQueue:
         self._wake()
         return True
 
-    def call(self, scheduler, fn: Callable[[Any], Any], timeout_s: float,
-             lend: bool = False) -> Any:
+    def call(self, scheduler, fn: Callable[[Any], Any], timeout_s: float) -> Any:
         """Run ``fn(scheduler)`` on the scheduler thread; wait at most ``timeout_s``.
 
         Before the event loop starts, nothing else touches the scheduler, so the
-        task runs inline. After it stopped, the call is refused. ``lend``: the
-        task may run on this thread instead while the loop is parked in its
-        idle wait (see :meth:`parked`); ``fn`` then gets the loop's scheduler.
+        task runs inline. After it stopped, the call is refused.
 
         A result that is a dict with a ``"timing"`` dict gets the task's stamps
         added to it (``time.perf_counter()``: when it was queued, started on
@@ -301,15 +230,8 @@ class SafePointQueue:
             with self._inline_lock:
                 if self._state == "not_started":
                     return _stamped(fn(scheduler), {"queued": queued})
-        if threading.get_ident() in (self._loop_thread, self._lent_thread):
-            # the loop's own thread, or a lent task (the loop is held at its
-            # safe point for it): already at the safe point
-            return _stamped(fn(scheduler if scheduler is not None else self._parked_scheduler),
-                            {"queued": queued})
-        if lend and self.lending:
-            result = self._run_lent(fn, queued)
-            if result is not _NOT_LENT:
-                return result
+        if threading.get_ident() == self._loop_thread:  # already at the safe point
+            return _stamped(fn(scheduler), {"queued": queued})
         fut: Future = Future()
         stamps = {"queued": queued}
         self._tasks.put((fn, fut, stamps))
@@ -326,18 +248,6 @@ class SafePointQueue:
             # running behind the caller's back.
             result = fut.result()
         return _stamped(result, stamps)
-
-
-_NOT_LENT = object()
-
-
-def _lending_enabled() -> bool:
-    try:
-        from sglang.srt.environ import envs
-
-        return bool(envs.SGLANG_RDT_LEND_SAFE_POINT.get())
-    except Exception:  # pragma: no cover - an environ without the fork's variables
-        return True
 
 
 def _log_posted_failure(fut: Future) -> None:

@@ -1,20 +1,16 @@
-"""Keep Python's cyclic garbage collector out of a weight update.
+"""Keep Python's cyclic garbage collector out of a rank's weight update.
 
 A full (generation 2) collection in a process that holds Ray, torch and a
-model stops every thread of it for 75-107 ms (measured on an H200 host, in the
-trainer and in the rank, docs/performance.md). Each update allocates enough
-Python objects (refs, metadata, stats) that one fell into about every third or
-fourth update — the "one update in eight at ~60 GB/s" of the GPU benchmarks.
-So a weight update runs with automatic collection off, in the trainer for the
-length of ``WeightSyncClient.update`` and on a rank from its first pull until
-the update ends (finalize or abort) — or, on a rank whose generation is paused
-(``/pause_generation`` in retract/in_place mode, miles' way), until generation
-continues (at most :data:`MAX_HOLD_S`): a collection pending when the update
-ends would otherwise fire at the next allocations, i.e. inside the next
-update's first call. Reference counting still frees all acyclic garbage
-meanwhile, and the collector runs again as usual afterwards, while the rank
-serves or the trainer trains. ``SGLANG_RDT_PAUSE_GC=0`` leaves the collector
-alone.
+model stops every thread of it for 75-107 ms (measured on an H200 host,
+docs/performance.md) — longer than a whole colocated update. So a rank's
+update runs with automatic collection off, from its first pull until the
+update ends (finalize or abort) — or, on a rank whose generation stays paused
+(``/pause_generation`` in retract or in_place mode, miles' way), until
+generation continues (at most :data:`MAX_HOLD_S`): a collection pending when
+the update ends would otherwise fire inside the next update's first pull.
+Reference counting still frees all acyclic garbage meanwhile.
+``SGLANG_RDT_PAUSE_GC=0`` leaves the collector alone. The trainer's collector
+is the trainer's: nothing here touches it.
 
 Holders nest: the collector is turned off by the first holder (only if it was
 on) and turned back on when the last one lets go.
@@ -25,8 +21,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from contextlib import contextmanager
-from typing import Dict, Iterator, Set
+from typing import Dict, Set
 
 # A rank that stays paused longer than this between updates collects again.
 MAX_HOLD_S = 300.0
@@ -83,13 +78,3 @@ def held_for(holder: str) -> float:
     with _lock:
         t = _holders.get(holder)
     return 0.0 if t is None else time.monotonic() - t
-
-
-@contextmanager
-def paused(holder: str) -> Iterator[None]:
-    """``with paused("trainer update"):`` — collection off inside."""
-    pause(holder)
-    try:
-        yield
-    finally:
-        resume(holder)

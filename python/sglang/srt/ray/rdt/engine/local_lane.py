@@ -1,33 +1,25 @@
-"""A rank's same-node call lane: ``pull_weights`` without a Ray round trip.
+"""A rank's same-node call lane: updates from a trainer on its node, without Ray.
 
-A zero-copy update (``WeightSyncClient`` reading the trainer's own tensors)
-is one ``pull_weights`` per rank, and on one H200 its copy takes ~4 ms while
-the Ray actor call around it costs ~2.5 ms (dispatch + reply) — a fixed cost
-no rank-side work can shrink. A trainer on the rank's node can instead send
-the call over this lane: a Unix stream socket, served by one thread of the
-rank's process that blocks in its read (no broker or I/O thread between the
-two: a round trip is one wake-up each way, ~45 us on a 2-core box against
-~100 us through a ZeroMQ socket pair). The call it carries is the rank core's own
-:meth:`RankWeightSync.pull` — the same safe-point hop, quiescence check,
-plan, transfer and bookkeeping as the actor method; the lane only replaces
-how the request arrives and how the answer goes back.
+A trainer on the rank's node describes its tensors itself — CUDA IPC handles
+of their segments, or host addresses for ``process_vm_readv``
+(``transport/same_node.py``) — and sends that description here, over a Unix
+stream socket served by one thread of the rank's process: no ``ray.put``, no
+Ray actor call (~2.5 ms a round trip on an H200 host; the lane's is ~0.1 ms).
+The rank then runs its core's own pull (:meth:`RankWeightSync.pull_sources`):
+the same safe-point hop, quiescence check, plan, read and bookkeeping as
+``pull_weights``; the lane changes how a request arrives, never what a pull
+checks or records. ``finalize`` and ``abort`` come the same way.
 
-Refs cannot travel over it (Ray attaches an RDT ref's metadata when it hands
-the ref to an actor method), so a lane call names refs the rank already
-holds: after a trainer opened a lane (:meth:`RankLane.open`, an actor call
-that returns the address and a secret), the rank keeps the refs of that
-trainer's same-node reads (``pull_weights``, over Ray or the lane, and
-``prepare_pull_weights``) — those read since the end of the previous update;
-at each update's end it lets go of every ref the update did not read, and
-``release_weight_sync_mappings(sender)`` and the rank's shutdown drop them
-all. A kept ref holds the trainer's memory alive (its own kept ref does too,
-``trainer/direct.py``; bucket refs are views of buffers it keeps anyway), so
-memory the trainer stopped sending is held at most one update longer.
+A layout (names, shapes, dtypes of one request's tensors) is sent once per
+connection with an id; later requests name the id and carry only where the
+bytes are, so a pull of thousands of tensors is a few arrays on the wire and
+one plan lookup on the rank.
 
 Who may call: the socket lives in a fresh 0700 directory (same user only),
 and every request carries the lane's 16-byte secret, checked before the
-request is unpickled. The secret is handed out only by the actor call, which
-Ray's token authentication guards.
+request is unpickled. The secret is handed out only by the actor call
+``open_weight_sync_lane``, which Ray's token authentication guards; the
+trainer process that asked is the writer of every pull on its connection.
 """
 
 from __future__ import annotations
@@ -42,28 +34,22 @@ import shutil
 import socket
 import tempfile
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional
 
-from sglang.srt.ray.rdt.defaults import LANE_NOT_HELD
-from sglang.srt.ray.rdt.lane_wire import (
-    FRAME_TIMEOUT_S,
-    ID_BYTES,
-    SECRET_BYTES,
-    recv_frame,
-    send_frame,
-)
+from sglang.srt.ray.rdt.engine.plan import TensorSpec
+from sglang.srt.ray.rdt.engine.sources import LocalSource
+from sglang.srt.ray.rdt.engine.update_state import Writer
+from sglang.srt.ray.rdt.errors import WeightSyncError
+from sglang.srt.ray.rdt.lane_wire import FRAME_TIMEOUT_S, ID_BYTES, SECRET_BYTES, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
 
-# Requests a lane serves (the rank core's methods it calls).
-OPS = ("pull_weights", "ping")
 # How often the serving thread looks whether the lane was closed.
 POLL_MS = 200
 # A lane's socket directory: DIR_PREFIX + "<pid>-<random>" in the temp dir.
 DIR_PREFIX = "sglang-rdt-lane-"
-# Refs a rank holds per trainer process at most (a model's buckets, or one
-# zero-copy ref per update).
-MAX_HELD_PER_SENDER = 256
+# Layouts one connection may define (a model's groups, each update the same).
+MAX_LAYOUTS = 4096
 
 
 def remove_dead_lanes(base: str) -> int:
@@ -86,39 +72,41 @@ def remove_dead_lanes(base: str) -> int:
     return n
 
 
-class RefNotHeld(Exception):
-    """A lane call named a ref this rank does not hold."""
+class _Connection:
+    """One trainer's connection: who it is and the layouts it defined."""
+
+    def __init__(self):
+        self.writer: Optional[Writer] = None
+        self.sender: Optional[str] = None
+        self.layouts: Dict[int, tuple] = {}  # id -> (names, specs, plan key)
 
 
 class RankLane:
-    """The lane of one rank: the socket, its thread, and the refs it may name."""
+    """The lane of one rank: the socket, its thread, the requests it serves."""
 
-    def __init__(self, pull, after_reply=None):
-        # What a lane call runs: RankWeightSync.pull(refs, names, timeout, finalize).
-        self._pull = pull
-        # Run once each answer has been sent (work nobody should wait for).
-        self._after_reply = after_reply
+    def __init__(self, rank, after_reply=None):
+        self._rank = rank  # the RankWeightSync whose methods requests call
+        self._after_reply = after_reply  # run once each answer has been sent
+        # Guards _senders and the start/stop of the serving thread.
         self._lock = threading.Lock()
-        self._senders: set = set()  # trainer processes that opened the lane
-        self._held: Dict[str, Dict[str, Any]] = {}  # sender -> {ref hex: ref}
-        self._read: Dict[str, set] = {}  # sender -> hex of the refs read since the last update end
-        self._secret = secrets.token_bytes(16)
+        self._senders: Dict[str, int] = {}  # trainer processes that opened the lane -> pid
+        self._secret = secrets.token_bytes(SECRET_BYTES)
         self._dir: Optional[str] = None
         self._address: Optional[str] = None
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self._defined = 0  # layouts defined on any connection (serving thread only)
         self.calls = 0
 
     # -- the actor side ------------------------------------------------------ #
-    def open(self, sender: str) -> Dict[str, Any]:
-        """Start serving (once) and keep ``sender``'s same-node refs from now
-        on. Returns what the trainer connects with."""
+    def open(self, sender: str, pid: int = 0) -> Dict[str, Any]:
+        """Start serving (once) and admit trainer process ``sender``."""
         with self._lock:
             if self._stop.is_set():
                 raise RuntimeError("the rank's lane is closed")
             if self._thread is None:
                 self._start()
-            self._senders.add(str(sender))
+            self._senders[str(sender)] = int(pid)
         return {"address": self._address, "secret": self._secret, "pid": os.getpid()}
 
     def _start(self) -> None:
@@ -140,71 +128,17 @@ class RankLane:
                                         daemon=True)
         self._thread.start()
 
-    def keep(self, refs: Sequence[Any]) -> None:
-        """After a read (pull or prepare): keep the same-node refs of a sender
-        that opened a lane, until the end of an update that did not read them."""
-        if not self._senders:
-            return
-        from sglang.srt.ray.rdt.engine.refs import same_node_sender
-
-        kept = [(sender, ref) for ref in refs
-                if (sender := same_node_sender(ref)) is not None and sender in self._senders]
-        if not kept:
-            return
-        with self._lock:
-            for sender, ref in kept:
-                held = self._held.setdefault(sender, {})
-                if len(held) >= MAX_HELD_PER_SENDER and ref.hex() not in held:
-                    held.pop(next(iter(held)))  # the oldest
-                held[ref.hex()] = ref
-                self._read.setdefault(sender, set()).add(ref.hex())
-
-    def end_of_update(self) -> None:
-        """An update ended: let go of the refs it did not read."""
-        with self._lock:
-            for sender, held in self._held.items():
-                read = self._read.get(sender, set())
-                self._held[sender] = {h: r for h, r in held.items() if h in read}
-            self._read.clear()
-
-    def release(self, sender: Optional[str] = None) -> int:
-        """Drop the refs held for ``sender`` (every sender: None)."""
-        with self._lock:
-            if sender is None:
-                n = sum(len(h) for h in self._held.values())
-                self._held.clear()
-                self._read.clear()
-            else:
-                n = len(self._held.pop(str(sender), {}))
-                self._read.pop(str(sender), None)
-        return n
-
-    def resolve(self, ref_ids: Sequence[str]) -> List[Any]:
-        with self._lock:
-            out = []
-            for rid in ref_ids:
-                ref = next((h[rid] for h in self._held.values() if rid in h), None)
-                if ref is None:
-                    raise RefNotHeld(
-                        f"ref {rid[:16]} is not held by this rank (never pulled here through "
-                        "pull_weights, or released since): send the pull as an actor call")
-                out.append(ref)
-            return out
-
     def status(self) -> Dict[str, Any]:
         with self._lock:
             return {"open": (self._thread is not None and self._thread.is_alive()
                              and not self._stop.is_set()),
-                    "senders": len(self._senders),
-                    "held_refs": sum(len(h) for h in self._held.values()),
-                    "calls": self.calls}
+                    "senders": len(self._senders), "calls": self.calls}
 
     def close(self) -> None:
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2 * POLL_MS / 1000 + 1)
-        self.release()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -218,8 +152,8 @@ class RankLane:
                     if key.fileobj is listener:
                         conn, _ = listener.accept()
                         conn.settimeout(FRAME_TIMEOUT_S)  # a started frame must finish
-                        sel.register(conn, selectors.EVENT_READ)
-                    elif not self._serve_one(key.fileobj):
+                        sel.register(conn, selectors.EVENT_READ, _Connection())
+                    elif not self._serve_one(key.fileobj, key.data):
                         sel.unregister(key.fileobj)
                         key.fileobj.close()
         except Exception:  # pragma: no cover - the lane dies, Ray calls still work
@@ -229,25 +163,25 @@ class RankLane:
                 key.fileobj.close()
             sel.close()
 
-    def _serve_one(self, conn: socket.socket) -> bool:
-        """Answer one request of ``conn``; False when the trainer went away."""
+    def _serve_one(self, sock: socket.socket, conn: _Connection) -> bool:
+        """Answer one request; False when the trainer went away."""
         try:
-            body = recv_frame(conn)
+            body = recv_frame(sock)
         except (OSError, ConnectionError):
             return False
         if body is None or len(body) < SECRET_BYTES + ID_BYTES:
             return False  # closed, or not one of ours
         secret, req_id = body[:SECRET_BYTES], body[SECRET_BYTES:SECRET_BYTES + ID_BYTES]
         if not hmac.compare_digest(secret, self._secret):
-            reply = ("error", "denied", "wrong lane secret")  # nothing was unpickled
+            reply = ("error", "wrong lane secret")  # nothing was unpickled
         else:
-            reply = self._handle(body[SECRET_BYTES + ID_BYTES:])
+            reply = self._handle(conn, body[SECRET_BYTES + ID_BYTES:])
         try:
             data = pickle.dumps(reply)
         except Exception as e:  # an unpicklable result or exception
-            data = pickle.dumps(("error", "other", f"{type(e).__name__}: {e}"))
+            data = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
         try:
-            send_frame(conn, req_id, data)
+            send_frame(sock, req_id, data)
         except OSError:
             return False
         if self._after_reply is not None:
@@ -257,18 +191,53 @@ class RankLane:
                 logger.exception("[RDT] lane: work after an answer failed")
         return True
 
-    def _handle(self, payload: bytes):
+    def _handle(self, conn: _Connection, payload: bytes):
         try:
-            op, kwargs = pickle.loads(payload)
-            if op not in OPS:
-                return ("error", "other", f"unknown lane op {op!r}")
+            op, kw = pickle.loads(payload)
             self.calls += 1
-            if op == "ping":
+            if op == "hello":
+                sender = str(kw["sender"])
+                with self._lock:
+                    pid = self._senders.get(sender)
+                if pid is None:
+                    return ("error", "this trainer process did not open the lane "
+                                     "(open_weight_sync_lane)")
+                conn.sender = sender
+                conn.writer = Writer(f"process:{sender}", f"trainer process {pid} (same-node lane)")
                 return ("ok", {"pid": os.getpid()})
-            refs = self.resolve(kwargs["ref_ids"])
-            return ("ok", self._pull(refs, kwargs["names"], kwargs.get("timeout"),
-                                     kwargs.get("finalize")))
-        except RefNotHeld as e:
-            return ("error", LANE_NOT_HELD, str(e))
+            if conn.writer is None:
+                return ("error", "say hello first")
+            if op in ("pull", "prepare"):
+                return ("ok", self._pull(conn, op, kw))
+            if op == "map":  # the reader's own state only: no safe point needed
+                from sglang.srt.ray.rdt.transport import same_node
+
+                return ("ok", same_node.map_kept(kw["source"], self._rank.device))
+            if op == "finalize":
+                # (the next update's walk runs once this answer has left: after_reply)
+                return ("ok", self._rank.finalize(kw.get("weight_version"), kw.get("flush_cache", True),
+                                                  walk_after=False))
+            if op == "abort":
+                return ("ok", self._rank.abort(kw.get("reason", "aborted")))
+            return ("error", f"unknown lane op {op!r}")
         except BaseException as e:
             return ("raise", e)
+
+    def _pull(self, conn: _Connection, op: str, kw: Dict[str, Any]):
+        layout_id = int(kw["layout"])
+        if kw.get("names") is not None:  # the layout's definition, once per connection
+            if len(conn.layouts) >= MAX_LAYOUTS and layout_id not in conn.layouts:
+                conn.layouts.clear()
+            names, specs = list(kw["names"]), [TensorSpec.of(e) for e in kw["specs"]]
+            if len(names) != len(specs) or not all(type(n) is str for n in names):
+                raise WeightSyncError(f"layout {layout_id}: {len(names)} names for {len(specs)} "
+                                      "tensors, or a name that is not a string")
+            self._defined += 1  # the plan's key: unique per definition
+            conn.layouts[layout_id] = (names, specs, ("lane", self._defined))
+        if layout_id not in conn.layouts:
+            raise KeyError(f"layout {layout_id} was never defined on this connection")
+        names, specs, key = conn.layouts[layout_id]
+        source = LocalSource(kw["source"], conn.writer, specs)
+        if op == "prepare":
+            return self._rank.prepare_sources([source], [names], key)
+        return self._rank.pull_sources([source], [names], kw.get("timeout"), key)

@@ -11,7 +11,6 @@ ref here first is what keeps a rejected update from touching any weight.
 
 from __future__ import annotations
 
-import operator
 from collections import abc
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -178,14 +177,17 @@ MAX_CACHED_PLANS = 256
 
 
 class CachedPlan:
-    """The targets :func:`plan_pull` chose for one layout, and what each
-    target parameter was when planned: object, address, shape, dtype, strides."""
+    """The targets :func:`plan_pull` chose for one layout (per source, with
+    their addresses and sizes), and what each target parameter was when
+    planned: object, address, shape, dtype, strides."""
 
     __slots__ = ("targets", "nbytes", "count", "_params", "_checks")
 
     def __init__(self, targets: List[List[torch.Tensor]], params: Sequence[torch.Tensor]):
-        self.targets = targets
-        self.nbytes = sum(t.numel() * t.element_size() for ts in targets for t in ts)
+        from sglang.srt.ray.rdt.transport.cuda_ipc import Targets
+
+        self.targets = [Targets.of(ts) for ts in targets]
+        self.nbytes = sum(int(t.nbytes.sum()) for t in self.targets)
         self.count = sum(len(ts) for ts in targets)
         self._params = list(params)
         self._checks = _layouts(self._params)
@@ -200,50 +202,28 @@ class CachedPlan:
 
 
 def _layouts(params: Sequence[torch.Tensor]) -> list:
-    # One comprehension and one list comparison: ~40 % less than a loop that
-    # unpacks and compares field by field (256 parameters: ~0.1 ms).
     return [(p.data_ptr(), p.shape, p.dtype, p.stride()) for p in params]
-
-
-def check_in_place(results, targets, names) -> Optional[str]:
-    """None when every fetched tensor *is* its target, else what went wrong."""
-    for ref_idx, (got, want, ns) in enumerate(zip(results, targets, names)):
-        got = list(got) if isinstance(got, (list, tuple)) else [got]
-        if len(got) == len(want) and all(map(operator.is_, got, want)):
-            continue  # the very target tensors (a same-node read writes into them)
-        if len(got) != len(want):
-            return f"ref {ref_idx} returned {len(got)} tensors for {len(want)} targets"
-        for g, w, n in zip(got, want, ns):
-            if not isinstance(g, torch.Tensor) or g.data_ptr() != w.data_ptr():
-                # Ray fetched into a buffer of its own: the model did not change
-                # (or changed only partly if other tensors did land).
-                return (
-                    f"{n!r} was fetched into a new buffer instead of the live "
-                    "parameter (target dropped by Ray?); the model was not updated "
-                    "in place"
-                )
-    return None
 
 
 class PlanCache:
     """The live parameters as one walk of the model found them, and the pull
     plans made against them.
 
-    A layout (names, shapes, dtypes) seen before reuses its plan when every
-    target parameter is still at the address and in the layout it was planned
-    with; anything else is checked in full by :func:`plan_pull` against the
-    parameter map. That map is one walk of the model (``get_params()``), taken
-    at the first pull and again at the first pull after anything that may move
-    parameters: after the end of an update (:meth:`mark_stale`: its post-load
-    processing ran) the plans survive the new walk only if it finds the same
-    parameter objects; memory release/resume, (de)registration and a failed
-    pull drop them (:meth:`forget`).
+    A layout (names, shapes, dtypes) seen before reuses its plan. The
+    parameter map is one walk of the model (``get_params()``), taken at the
+    first pull and again at the first pull after anything that may move
+    parameters: after the end of an update (:meth:`mark_stale`: its
+    post-load processing ran) or an sglang weight load, the plans survive
+    the new walk only if it finds every target parameter as it was planned
+    (the same object, storage and layout); memory release/resume,
+    (de)registration and a failed pull drop them (:meth:`forget`). Nothing
+    else moves parameters, so a pull does not look at them again.
     """
 
     def __init__(self, get_params: Callable[[], Mapping[str, torch.Tensor]]):
         self._get_params = get_params
         self.params: Optional[Mapping[str, torch.Tensor]] = None
-        self._plans: Dict[tuple, CachedPlan] = {}
+        self._plans: Dict[Any, CachedPlan] = {}
         self._stale = False  # walk again, but the plans may survive
 
     def forget(self) -> None:
@@ -262,10 +242,8 @@ class PlanCache:
         return self._stale
 
     def refresh(self) -> bool:
-        """Walk the model again if an update's end asked for it, keeping only
-        the plans whose parameters the walk finds as they were planned (the
-        same objects, storage and layout: post-load may swap a parameter's
-        ``.data``). Returns whether it walked."""
+        """Walk the model again if it may have changed, keeping only the
+        plans whose parameters are as they were planned. Returns whether it walked."""
         if not self._stale:
             return False
         fresh = self._get_params()
@@ -283,21 +261,17 @@ class PlanCache:
             self.params = self._get_params()
         return list(self.params)
 
-    def plan(self, specs, names, check_live: bool = True) -> Tuple[CachedPlan, bool, bool]:
+    def plan(self, specs, names, key: Any = None) -> Tuple[CachedPlan, bool, bool]:
         """The plan of a pull (its targets, bytes and tensor count), whether
-        the model was walked for it, and whether a plan was reused.
-        ``check_live=False``: a plan that :meth:`refresh` checked since the
-        last update's end is returned without :meth:`CachedPlan.still_live`
-        — the caller checks it before its writes can matter (receiver: while
-        the copy engine works); a refresh made now checks it here, so a
-        parameter that post-load moved is planned afresh, not written."""
+        the model was walked for it, and whether a plan was reused. ``key``:
+        the layout's identity when the caller has one (a lane's layout id),
+        else the names, shapes and dtypes themselves."""
         walked = self.refresh()
-        key = (tuple(map(tuple, names)), tuple(map(tuple, specs)))
+        if key is None:
+            key = (tuple(map(tuple, names)), tuple(map(tuple, specs)))
         plan = self._plans.get(key)
         if plan is not None:
-            if (not check_live and not walked) or plan.still_live():
-                return plan, walked, True
-            self.forget()  # something moved under us: start over
+            return plan, walked, True
         if self.params is None:
             self.params, walked = self._get_params(), True
         targets = plan_pull(specs, names, self.params)

@@ -1,40 +1,48 @@
 """The rank core of RDT weight sync: one object per rollout rank.
 
-:class:`RankWeightSync` owns everything a rank knows about weight updates —
-its :class:`~.update_state.RankUpdateState` (open/closed, writers,
-consistency, counters, version is read from the scheduler), its
-:class:`~.receiver.RdtWeightReceiver` (registration, plans, transfers) and
-the rule that no byte lands beside a forward pass: every call that touches
-the model runs on the scheduler's own thread at its safe point
-(:class:`~sglang.srt.managers.scheduler_safe_point.SafePointQueue`), and a
-pull is refused unless the rank is quiesced — generation paused (any mode)
-or a weight-update session open, and no batch running.
+:class:`RankWeightSync` owns everything a rank knows about weight updates: its
+:class:`~.update_state.RankUpdateState` (open or not, writers, consistency,
+counters), its :class:`~.receiver.RdtWeightReceiver` (registration, plans,
+transfers) and its :class:`~.local_lane.RankLane` (same-node requests); it
+reaches the scheduler only through a :class:`~.scheduler_port.SchedulerPort`,
+so a SchedulerActor (``actor_mixin.py``) and the standalone rank around a
+plain model (``standalone.py``) run this same code.
 
-It reaches the scheduler only through a
-:class:`~.scheduler_port.SchedulerPort`, so the SchedulerActor
-(``actor_mixin.py``) and the GPU benchmark's rank (a plain PyTorch model
-whose loop serves the same queue) run this same code.
+No byte lands beside a forward pass: every call that touches the model runs
+on the scheduler's own thread at its safe point
+(:class:`~sglang.srt.managers.scheduler_safe_point.SafePointQueue`), and a
+pull is refused unless the rank is quiesced: generation paused (any mode) or
+a weight-update session open, and no batch running.
+
+Threads: the scheduler's loop thread (every pull, begin, finalize and abort,
+and the walk of the model after an update); Ray's actor threads and the
+lane's thread (they queue that work and wait for it; status and the lane's
+``map`` run on them). Locks, taken in this order: the receiver's lock (plans,
+registrations), the update state's lock (writers, counters; never held while
+taking another), the same-node reader's lock (kept mappings).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import time
-from typing import Any, Dict, Optional, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from sglang.srt.ray.rdt.defaults import PAUSE_GRACE_S, PULL_TIMEOUT_S, SAFE_POINT_TIMEOUT_S
 from sglang.srt.ray.rdt.engine.receiver import RdtWeightReceiver
 from sglang.srt.ray.rdt.engine.scheduler_port import SchedulerPort
+from sglang.srt.ray.rdt.engine.sources import sources_of
 from sglang.srt.ray.rdt.engine.update_state import RankUpdateState
 from sglang.srt.ray.rdt.errors import (
     WeightsInconsistentError,
     WeightSyncError,
     WeightUpdateConflictError,
 )
+from sglang.srt.ray.rdt.transport import same_node
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,43 @@ def failure_kind(exc: BaseException) -> Optional[str]:
     return "other"
 
 
+@dataclass
+class RankStatus:
+    """What ``get_weight_sync_status`` reports (a dict at the actor's edge)."""
+
+    enabled: bool = True
+    weights_consistent: bool = True
+    inconsistent_reason: Optional[str] = None
+    weight_version: Optional[str] = None
+    update_open: bool = False
+    update_in_progress: Optional[Dict[str, Any]] = None
+    updates: int = 0
+    failed_updates: int = 0
+    failures: Dict[str, int] = field(default_factory=dict)
+    last_update: Optional[Dict[str, Any]] = None
+    pulls: int = 0
+    failed_pulls: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    last_pull: Optional[Dict[str, Any]] = None
+    registered: bool = False
+    registrations: int = 0
+    weights_released: bool = False
+    registration_disabled_reason: Optional[str] = None
+    transports: List[str] = field(default_factory=list)
+    # where this rank reads same-node sources from: its Ray node, the GPUs it sees
+    ipc_reach: Optional[Dict[str, Any]] = None
+    device_uuid: Optional[str] = None
+    lane: Dict[str, Any] = field(default_factory=lambda: {"open": False})
+    kept_mappings: Dict[str, int] = field(default_factory=dict)
+    event_loop: str = "not_started"
+    idle_sleep: str = "off"
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
 class RankWeightSync:
     def __init__(
         self,
@@ -78,51 +123,41 @@ class RankWeightSync:
         self.safe_point = safe_point
         self.rank = rank
         self.transports = list(transports)
-        self.flush_at_end = True  # finalize(flush_cache=False) clears it for its update
         self.state = RankUpdateState(
-            # the receiver's last walk of the model (no walk of its own per update)
-            param_names=lambda: self.receiver.param_names(),
+            param_names=lambda: self.receiver.param_names(),  # the last walk of the model
             rank=rank,
             weight_version=port.weight_version,
         )
         self.receiver = RdtWeightReceiver(
-            lambda: dict(port.named_parameters()),
-            device=device,
-            pull_timeout_s=pull_timeout_s,
-            registration_disabled_reason=registration_disabled_reason,
-            state=self.state,
+            lambda: dict(port.named_parameters()), device=device, pull_timeout_s=pull_timeout_s,
+            registration_disabled_reason=registration_disabled_reason, state=self.state,
         )
         self.lane = None  # a RankLane once a trainer on this node opened one
-        self._folding = False  # an update is ending inside a pull call
         self._refresh_posted = False  # prepare_next_pull's walk is queued
 
-    def open_lane(self, sender: str, pull=None) -> Dict[str, Any]:
-        """The same-node call lane (:mod:`.local_lane`) for trainer process
-        ``sender``: its address and secret. Its refs are kept from now on.
-        A lane call runs :meth:`pull` (or ``pull``, the same call wrapped)."""
+    # -- the same-node lane ---------------------------------------------------- #
+    def open_lane(self, sender: str, pid: int = 0) -> Dict[str, Any]:
+        """The call lane (:mod:`.local_lane`) for trainer process ``sender``:
+        its address and secret, and this rank's node."""
         if self.lane is None:
             from sglang.srt.ray.rdt.engine.local_lane import RankLane
 
-            self.lane = RankLane(pull or self.pull, after_reply=self.prepare_next_pull)
-        out = self.lane.open(sender)
-        from sglang.srt.ray.rdt.transport import sglang_ipc
-
-        out["node_id"] = sglang_ipc.reach()["node_id"]
+            self.lane = RankLane(self, after_reply=self.prepare_next_pull)
+        out = self.lane.open(sender, pid)
+        out["node_id"] = same_node.node_id()
         return out
 
     def release_sender(self, sender: Optional[str] = None) -> int:
-        """Close the cached mappings of ``sender``'s memory (every sender:
-        None) and drop the refs the lane held for it."""
-        if self.lane is not None:
-            self.lane.release(sender)
-        return self.receiver.release_sender(sender)
+        """Close the kept mappings of ``sender``'s memory (every sender: None)."""
+        n = same_node.release(sender)
+        if n:
+            logger.info("[RDT] closed %d kept CUDA IPC mappings of sender %s", n, sender or "(all)")
+        return n
 
-    def on_scheduler(self, fn, timeout_s: float = SAFE_POINT_TIMEOUT_S, lend: bool = False):
-        """Run ``fn()`` on the scheduler thread at its next safe point
-        (``lend``: or on this thread while the loop is parked in its idle
-        wait — for work that stays inside this rank's weight-sync state and
-        the parameters' bytes; never the update's end)."""
-        return self.safe_point.call(None, lambda _scheduler: fn(), timeout_s, lend=lend)
+    # -- work on the scheduler's thread -------------------------------------- #
+    def on_scheduler(self, fn, timeout_s: float = SAFE_POINT_TIMEOUT_S):
+        """Run ``fn()`` on the scheduler thread at its next safe point."""
+        return self.safe_point.call(None, lambda _scheduler: fn(), timeout_s)
 
     def quiesced(self) -> Optional[str]:
         """None when a pull is safe now, else why not (on the scheduler thread)."""
@@ -134,47 +169,20 @@ class RankWeightSync:
             return f"could not tell whether a batch is running ({e})"
         return None if idle else "a batch is still running (paused in place?)"
 
-    # -- the update --------------------------------------------------------- #
-    def pull(self, refs, names, timeout: Optional[float] = None,
-             finalize: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        """Land the refs' tensors (scheduler thread, quiesced). ``finalize``
-        (``{"weight_version", "flush_cache"}``, both optional): this was the
-        rank's last pull of the update; end it here as :meth:`finalize` does,
-        in the same safe-point task — the caller saves a round trip, the rank
-        a hop to its loop. The result then carries the finalize's under
-        ``"finalized"``; a pull that fails ends nothing."""
-        end = None
-        if finalize is not None:
-            unknown = set(finalize) - {"weight_version", "flush_cache"}
-            if unknown:  # checked before any byte moves
-                raise WeightSyncError(
-                    f"finalize= takes weight_version and flush_cache, not {sorted(unknown)}")
-            version = finalize.get("weight_version")
-            flush = bool(finalize.get("flush_cache", True))
-            end = lambda: self._finalize_here(version, flush)  # noqa: E731
-        return self._pull(refs, names, timeout, end)
+    # -- the update ------------------------------------------------------------ #
+    def pull(self, refs, names, timeout: Optional[float] = None) -> Dict[str, Any]:
+        """``pull_weights``: land the refs' tensors (quiesced)."""
+        return self._pull(lambda: sources_of(refs), names, timeout)
 
-    def _pull(self, refs, names, timeout: Optional[float], end=None) -> Dict[str, Any]:
-        landed = False
+    def pull_sources(self, sources, names, timeout: Optional[float] = None, key: Any = None):
+        """A lane request's pull (:mod:`.local_lane`), the same way."""
+        return self._pull(lambda: sources, names, timeout, key)
 
+    def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None) -> Dict[str, Any]:
         def run():
-            nonlocal landed
             why = self.quiesced()
             if why is None:
-                with self._scheduler_stream():
-                    out = self.receiver.pull(refs, names, timeout)
-                landed = True
-                if self.lane is not None:
-                    self.lane.keep(refs)
-                if end is not None:
-                    t0 = time.perf_counter()
-                    self._folding = True  # the answer leaves from the caller's thread
-                    try:
-                        out["finalized"] = end()
-                    finally:
-                        self._folding = False
-                    out["stages"]["finalize"] = time.perf_counter() - t0
-                return out
+                return self.receiver.pull(make_sources(), names, timeout, key)
             if why == NOT_PAUSED:
                 return _NOT_PAUSED_YET  # maybe the pause is still on its way
             raise WeightSyncError(NOT_QUIESCED.format(why=why))
@@ -186,35 +194,27 @@ class RankWeightSync:
             # call reached its safe point: look again for a moment first.
             deadline = time.monotonic() + PAUSE_GRACE_S
             while True:
-                # (an update that ends here runs sglang's post-load: never lent)
-                out = self.on_scheduler(run, budget, lend=end is None)
+                out = self.on_scheduler(run, budget)
                 if out is not _NOT_PAUSED_YET:
                     return out
                 if time.monotonic() > deadline:
                     raise WeightSyncError(NOT_QUIESCED.format(why=NOT_PAUSED))
                 time.sleep(0.01)
         except BaseException as e:
-            if landed:  # the pull landed and the update's end failed: counted as finalize() does
-                if not isinstance(e, WeightSyncError):
-                    self.state.fail("finalize")
-                raise
             kind = failure_kind(e)
             if kind is not None:
                 self.state.fail(kind)
             raise
 
-    def _scheduler_stream(self):
-        """The scheduler thread's CUDA stream made current: a pull run on
-        another thread (the safe point lent to it) starts its copies after the
-        work the scheduler queued there (an update's post-load kernels)."""
-        stream = self.port.stream() if self.device is not None and self.device.type == "cuda" else None
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    def prepare_sources(self, sources, names, key: Any = None) -> Dict[str, Any]:
+        """Plan a lane pull and map its kept segments, writing nothing (no pause needed)."""
+        return self.on_scheduler(lambda: self.receiver.prepare(sources, names, key))
 
     def prepare_next_pull(self) -> None:
         """If the next pull would walk the model first (an update ended, a
         load replaced parameters), that walk runs at the scheduler's next
-        safe point instead. The lane calls this once a pull's answer has
-        left, so the work is off the critical path of both updates."""
+        safe point instead. Called once an answer has left, so the work is
+        off the critical path of both updates."""
         if not self.receiver.needs_refresh():
             self._refresh_posted = False  # walked (here or in a pull): post again next time
             return
@@ -225,17 +225,10 @@ class RankWeightSync:
         def refresh(_scheduler):
             self._refresh_posted = False
             self.receiver.refresh()
+            same_node.release(gone_only=True)  # kept mappings of trainers that exited
 
         if not self.safe_point.post(refresh):
             self._refresh_posted = False  # no loop to take it: the next pull walks
-
-    def prepare(self, refs, names) -> Dict[str, Any]:
-        """Check a pull and open what it reads from, writing nothing (scheduler
-        thread; no pause needed): :meth:`RdtWeightReceiver.prepare`."""
-        out = self.on_scheduler(lambda: self.receiver.prepare(refs, names), lend=True)
-        if self.lane is not None:
-            self.lane.keep(refs)
-        return out
 
     def begin(self) -> Dict[str, Any]:
         def run():
@@ -244,18 +237,25 @@ class RankWeightSync:
 
         return self.on_scheduler(run)
 
-    def finalize(self, weight_version: Optional[str] = None, flush_cache: bool = True) -> Dict[str, Any]:
+    def finalize(self, weight_version: Optional[str] = None, flush_cache: bool = True,
+                 walk_after: bool = True) -> Dict[str, Any]:
+        """End the update: version, the update's end (flush, state), post-load.
+        ``walk_after``: queue the next update's walk of the model now (a
+        caller that runs :meth:`prepare_next_pull` once its answer left,
+        like the lane, passes False)."""
         try:
-            return self.on_scheduler(lambda: self._finalize_here(weight_version, flush_cache))
+            out = self.on_scheduler(lambda: self._finalize_here(weight_version, flush_cache))
         except WeightSyncError:
             raise
         except BaseException:
             self.state.fail("finalize")
             raise
+        finally:
+            if walk_after:
+                self.prepare_next_pull()
+        return out
 
     def _finalize_here(self, weight_version: Optional[str], flush_cache: bool) -> Dict[str, Any]:
-        """The update's end, on the scheduler thread: version, post-load
-        processing (or sglang's end_weight_update), flush."""
         in_session = self.port.session_open()
         if not in_session:
             why = self.quiesced()
@@ -263,22 +263,15 @@ class RankWeightSync:
                 raise WeightSyncError("refusing to finalize while generation may run: " + why)
         if weight_version is not None:
             self.port.record_weight_version(str(weight_version))
-        self.flush_at_end = flush_cache
-        try:
-            problem = self.port.end_session() if in_session else self.end_paused_update()
-        finally:
-            self.flush_at_end = True
-        flushed = (self.state.last_update or {}).get("flushed_cache", False)
-        if flush_cache and not flushed:
-            flushed = self.port.flush_cache()
-        if problem:
-            raise WeightSyncError(f"the update ended inconsistent: {problem}")
-        return {
-            "success": True,
-            "flushed_cache": bool(flushed),
-            "weight_version": self.port.weight_version(),
-            "update": self.state.last_update,
-        }
+        summary = self._end_update(flush_cache)
+        # sglang's own end (post-load processing); its listener finds the
+        # update ended already.
+        problem = self.port.end_session() if in_session else self.port.run_post_load()
+        if not summary["consistent"] or problem:
+            raise WeightSyncError(f"the update ended inconsistent: "
+                                  f"{summary.get('inconsistent_reason') or problem}")
+        return {"success": True, "flushed_cache": bool(summary.get("flushed_cache")),
+                "weight_version": self.port.weight_version(), "update": summary}
 
     def abort(self, reason: str) -> Dict[str, Any]:
         def run():
@@ -290,40 +283,24 @@ class RankWeightSync:
 
         return self.on_scheduler(run)
 
-    def end_paused_update(self) -> Optional[str]:
-        """Close an update made under a plain pause (no session): the model's
-        post-load processing, then the update's end."""
-        self.port.run_post_load()
-        return self.on_update_end()
-
-    def on_update_end(self) -> Optional[str]:
-        """The update's end (scheduler thread): flush, close the state, tell
-        the receiver. Returns why the update is not clean, or None."""
+    def _end_update(self, flush: bool) -> Dict[str, Any]:
+        """The update's end (scheduler thread): flush the prefix cache (its KV
+        came from the old weights) when asked and weights were written, close
+        the state, tell the receiver. Returns the state's summary."""
         extra = {}
-        if self.flush_at_end and self.state.wrote_weights:
-            # KV in the prefix cache was computed with the old weights; the
-            # engine is paused, so nothing can be using it.
+        if flush and self.state.wrote_weights:
             extra["flushed_cache"] = self.port.flush_cache()
             if not extra["flushed_cache"]:
                 logger.warning("[RDT] the prefix cache could not be flushed after the update; "
                                "call /flush_cache before generation continues")
         summary = self.state.end(**extra)
         self._update_ended()
-        return None if summary["consistent"] else summary["inconsistent_reason"]
+        return summary
 
     def _update_ended(self) -> None:
         # Paused for the next update (miles' way): collection stays off until
         # generation continues (gc_pause).
         self.receiver.end_of_update(resume_gc=not self.port.paused())
-        if self.lane is not None:
-            self.lane.end_of_update()
-        if not self._folding:
-            # The next update's walk of the model runs at the next safe point
-            # (after end_weight_update's answer left: this thread sends it).
-            # An update that ends inside a pull call waits for that call's
-            # answer to leave first (the lane's after_reply; through Ray the
-            # next pull walks).
-            self.prepare_next_pull()
 
     # -- the scheduler's weight events (managers/weight_listeners.py) --------- #
     def on_weights_released(self) -> None:
@@ -341,51 +318,47 @@ class RankWeightSync:
         self.state.begin()
 
     def on_weight_update_end(self) -> Optional[str]:
+        """sglang's ``end_weight_update`` (miles' ``/end_weight_update``): the
+        update ends with a flush. Returns why it is not clean, or None."""
         if not self.state.update_open:
-            return None  # aborted: abort() closed it already
-        return self.on_update_end()
+            return None  # ended (finalize) or aborted already
+        summary = self._end_update(flush=True)
+        self.prepare_next_pull()
+        return None if summary["consistent"] else summary["inconsistent_reason"]
 
     def on_generation_continued(self) -> None:
         if self.state.update_kind == "paused":
             # Pulls under a plain pause that nobody finalized: the weights are
             # live now, so they get their post-load processing here.
             logger.info("[RDT] continue_generation ends the update made under the pause")
-            self.end_paused_update()
+            self._end_update(flush=True)
+            self.port.run_post_load()
         self.receiver.release_gc()
 
     # -- reading ------------------------------------------------------------ #
-    def status(self) -> Dict[str, Any]:
-        from sglang.srt.ray.rdt.transport import nixl_progress
-
-        out = {
-            **self.receiver.status(),
-            "lane": self.lane.status() if self.lane is not None else {"open": False},
-            "transports": list(self.transports),
-            "nixl_progress_thread": nixl_progress.describe(),
-        }
+    def status(self) -> RankStatus:
+        st = RankStatus(**self.state.status(), **self.receiver.status(),
+                        transports=list(self.transports),
+                        lane=self.lane.status() if self.lane is not None else {"open": False},
+                        kept_mappings=same_node.stats(),
+                        event_loop=self.safe_point.state)
         if "SGLANG_IPC" in self.transports:
-            # What a trainer needs to know to put without NIXL metadata (same
-            # node, a GPU this rank sees) and to tell it shares this rank's GPU.
             try:
-                from sglang.srt.ray.rdt.transport import sglang_ipc
                 from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
 
-                out["ipc_reach"] = sglang_ipc.reach()
+                st.ipc_reach = same_node.reach()
                 if self.device is not None and self.device.type == "cuda":
-                    out["device_uuid"] = device_uuid(self.device.index or 0)
+                    st.device_uuid = device_uuid(self.device.index or 0)
             except Exception as e:  # pragma: no cover - status must answer
-                out["ipc_reach_error"] = str(e)
-        return out
+                logger.warning("[RDT] same-node reach unknown: %s", e)
+        return st
 
     def stats(self) -> Dict[str, Any]:
         st = self.state.status()
         return {
-            "updates": st["updates"],
-            "failed_updates": st["failed_updates"],
-            "failures": st["failures"],
-            "last_update": st["last_update"],
-            "update_in_progress": st["update_in_progress"],
-            "weight_version": st["weight_version"],
+            "updates": st["updates"], "failed_updates": st["failed_updates"],
+            "failures": st["failures"], "last_update": st["last_update"],
+            "update_in_progress": st["update_in_progress"], "weight_version": st["weight_version"],
             "pulls": {k: st[k] for k in ("pulls", "failed_pulls", "tensors", "bytes", "seconds")},
             "last_pull": st["last_pull"],
         }
@@ -405,13 +378,10 @@ class RankWeightSync:
 
 
 def parameter_layout(named_parameters) -> Dict[str, Dict[str, Any]]:
-    """``{name: {"shape", "dtype", "data_ptr"}}``: what ``pull_weights`` expects."""
+    """``{name: {"shape", "dtype", "data_ptr"}}``: what a pull expects."""
     return {
-        name: {
-            "shape": list(p.shape),
-            "dtype": str(p.dtype).replace("torch.", ""),
-            "data_ptr": p.data_ptr(),
-        }
+        name: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
+               "data_ptr": p.data_ptr()}
         for name, p in named_parameters
     }
 

@@ -69,19 +69,6 @@ def warn_if_expandable_segments(tensors, snapshot=None, *, once: bool = True) ->
     return False
 
 
-def close_cached_mappings(keep_persistent: bool = False, sender: Optional[str] = None) -> int:
-    """Close cached CUDA IPC mappings of trainer memory: all, all but those of
-    persistent sender buffers, or those of one ``sender``."""
-    import sys
-
-    mod = sys.modules.get("sglang.srt.ray.rdt.transport.sglang_ipc")
-    if mod is None:
-        return 0
-    if sender is not None:
-        return mod.release_sender_mappings(sender)
-    return mod.close_ipc_mappings(keep_persistent=keep_persistent)
-
-
 class RegistrationBook:
     """NIXL registrations of parameter storage, keyed by (device, address, size).
 

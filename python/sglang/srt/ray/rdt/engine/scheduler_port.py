@@ -40,11 +40,6 @@ class SchedulerPort(Protocol):
 
     def weight_version(self) -> Optional[str]: ...
 
-    def stream(self) -> Optional[torch.cuda.Stream]:
-        """The CUDA stream the scheduler's thread queues its work on (None:
-        whatever stream is current). A pull run on another thread (the safe
-        point lent to it) orders its copies after that stream's work."""
-
 
 class SglangSchedulerPort:
     """:class:`SchedulerPort` over sglang's ``Scheduler`` (on its own thread)."""
@@ -88,12 +83,6 @@ class SglangSchedulerPort:
 
     def flush_cache(self) -> bool:
         return bool(self.scheduler.flush_cache())
-
-    def stream(self):
-        # run_event_loop runs under StreamContext(schedule_stream): post-load
-        # kernels of an update's end are queued there.
-        s = getattr(self.scheduler, "schedule_stream", None)
-        return s if isinstance(s, torch.cuda.Stream) else None
 
     def record_weight_version(self, version: str) -> None:
         self.scheduler.record_weight_version_change(new_version=str(version))

@@ -1,22 +1,25 @@
-"""The rank core around a plain PyTorch model, without sglang's scheduler.
+"""The rank core and its actor API around a plain PyTorch model, without sglang's scheduler.
 
 :class:`ModelPort` is a :class:`~.scheduler_port.SchedulerPort` over an
 ``nn.Module`` with its own pause/session flags, and :class:`ServingLoop` a
 thread that serves the safe-point queue between "iterations" the way sglang's
 event loop does. With them, :class:`~.rank_sync.RankWeightSync` runs exactly
 the SchedulerActor's pull path (hop to the loop thread, quiescence check,
-plan, transfer, bookkeeping) in the GPU benchmark's rank and in test doubles.
+plan, transfer, bookkeeping), and :class:`StandaloneRank` has the
+SchedulerActor's weight-sync API (:class:`~.actor_mixin.RankActorApi`): the
+GPU benchmark's rank and the tests' ranks are this class as a Ray actor.
+It imports nothing of sglang's serving code.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Callable, Optional
 
 import torch
 
 from sglang.srt.managers.scheduler_safe_point import SafePointQueue
+from sglang.srt.ray.rdt.engine.actor_mixin import RankActorApi
 from sglang.srt.ray.rdt.engine.rank_sync import RankWeightSync
 
 
@@ -69,21 +72,14 @@ class ModelPort:
     def weight_version(self) -> Optional[str]:
         return self.version
 
-    def stream(self):
-        return None  # the loop thread queues nothing on a stream of its own
-
 
 class ServingLoop:
-    """A thread that runs queued safe-point tasks between iterations. While
-    ``quiet()`` (sglang's loop: paused or in a weight-update session, nothing
-    running) its idle wait is lent to callers the way sglang's is
-    (:meth:`SafePointQueue.parked`)."""
+    """A thread that runs queued safe-point tasks between iterations (and
+    wakes at once when one is queued, as sglang's idle wait does)."""
 
-    def __init__(self, queue: SafePointQueue, iteration_s: float = 0.0005,
-                 quiet: Optional[Callable[[], bool]] = None):
+    def __init__(self, queue: SafePointQueue, iteration_s: float = 0.0005):
         self.queue = queue
         self.iteration_s = iteration_s
-        self.quiet = quiet or (lambda: False)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rank-loop", daemon=True)
 
@@ -101,9 +97,7 @@ class ServingLoop:
                 self.queue.run_pending(None)
                 # An idle iteration of a real loop: poll for requests; like
                 # sglang's idle wait, a queued task ends the wait at once.
-                with (self.queue.parked(None, self.quiet) if self.quiet()
-                      else contextlib.nullcontext()):
-                    select.select([wake], [], [], self.iteration_s)
+                select.select([wake], [], [], self.iteration_s)
         finally:
             self.queue.loop_stopped()
 
@@ -112,12 +106,59 @@ class ServingLoop:
         self._thread.join(timeout=5)
 
 
-def standalone_rank(model: torch.nn.Module, **kwargs) -> RankWeightSync:
-    """A :class:`RankWeightSync` over ``model`` with its loop running
-    (``.safe_point`` is the queue, ``.port`` the :class:`ModelPort`)."""
+def standalone_rank(model: torch.nn.Module, port: Optional[ModelPort] = None,
+                    **kwargs) -> RankWeightSync:
+    """A :class:`RankWeightSync` over ``model`` (or ``port``) with its loop
+    running (``.safe_point`` is the queue, ``.port`` the :class:`ModelPort`)."""
     queue = SafePointQueue()
-    port = ModelPort(model)
+    port = port or ModelPort(model)
     sync = RankWeightSync(port, queue, **kwargs)
     port.sync = sync
-    sync.loop = ServingLoop(queue, quiet=lambda: port.paused() or port.session_open()).start()
+    sync.loop = ServingLoop(queue).start()
     return sync
+
+
+class StandaloneRank(RankActorApi):
+    """A rollout rank without sglang: a plain model behind the rank core and
+    the SchedulerActor's weight-sync API. Make it a Ray actor with
+    ``ray.remote(enable_tensor_transport=True, max_concurrency=8)(StandaloneRank)``.
+
+    Args:
+        model: the model, or a function that builds it (in the actor).
+        device: its device (``"cuda:0"``, ``"cpu"``); the model is moved there.
+        paused: start with generation paused (pulls are accepted; the
+            caller ends each update with ``finalize_weight_update``).
+        rank: the rank's label in log lines.
+        post_load: called at each update's end, as sglang's post-load processing.
+        port: the scheduler port to use instead of a :class:`ModelPort` of
+            ``model`` (a test's port that is slow or refuses, say).
+    """
+
+    def __init__(self, model, *, device: str = "cpu", paused: bool = True, rank: str = "standalone",
+                 pull_timeout_s: float = 60.0, post_load: Optional[Callable[[], None]] = None,
+                 port: Optional[ModelPort] = None):
+        from sglang.srt.ray.rdt.transport import sglang_ipc
+
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        if not isinstance(model, torch.nn.Module):
+            model = model()
+        self.model = model.to(dev)
+        self._rdt_sync = standalone_rank(
+            self.model, rank=rank, device=dev if dev.type == "cuda" else None,
+            pull_timeout_s=pull_timeout_s, transports=["NIXL", sglang_ipc.register()],
+            port=port or ModelPort(self.model, post_load))
+        self._rdt_sync.port.is_paused = paused
+
+    def set_paused(self, paused: bool) -> bool:
+        """Pause or continue "generation" (continuing ends an update made under the pause)."""
+        port = self._rdt_sync.port
+        port.is_paused = paused
+        if not paused:
+            self._rdt_sync.on_scheduler(self._rdt_sync.on_generation_continued)
+        return paused
+
+    def get_parallelism_config(self):
+        return {"rank": 0, "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
+                "dp_rank": 0, "dp_size": 1, "device": "cuda" if self._rdt_sync.device else "cpu"}

@@ -77,6 +77,7 @@ class _Update:
     pull_s: float = 0.0
     transports: List[str] = field(default_factory=list)
     writers: Dict[str, Writer] = field(default_factory=dict)  # param name -> writer
+    writer_ids: set = field(default_factory=set)  # every writer that landed a pull
     rewrites: int = 0
     conflict: Optional[str] = None
     broken: set = field(default_factory=set)  # params of a broken pull not written again
@@ -168,6 +169,8 @@ class RankUpdateState:
         with self._lock:
             u = self._current()
             for names, writer in writes:
+                if u.writer_ids <= {writer.id}:
+                    continue  # nobody else wrote in this update: no conflict possible
                 for name in names:
                     prev = u.writers.get(name)
                     if prev is not None and prev.id != writer.id:
@@ -197,11 +200,12 @@ class RankUpdateState:
         with self._lock:
             u = self._current()
             for names, writer in writes:
-                for name in names:
-                    if name in u.writers:
-                        u.rewrites += 1
-                    u.writers[name] = writer
-                    u.broken.discard(name)
+                before = len(u.writers)
+                u.writers.update(dict.fromkeys(names, writer))
+                u.rewrites += len(names) - (len(u.writers) - before)
+                u.writer_ids.add(writer.id)
+                if u.broken:
+                    u.broken.difference_update(names)
             u.pulls += 1
             u.tensors += int(stats.get("tensors", 0))
             u.bytes += int(stats.get("bytes", 0))

@@ -1,0 +1,35 @@
+"""The SchedulerActor of an engine started with ``--enable-rdt-weight-sync``.
+
+sglang's own ``SchedulerActor`` (its undecorated class, ``SchedulerActorBase``)
+plus the weight-sync methods (:class:`~.actor_mixin.RdtWeightSyncMixin`),
+declared with ``enable_tensor_transport=True`` so that RDT refs can be passed
+to it. The engine creates its ranks from :data:`RdtSchedulerActor` only with
+the flag (``sglang/srt/ray/engine.py``); without it, from sglang's class as is.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from sglang.srt.ray.rdt.engine.actor_mixin import RdtWeightSyncMixin
+from sglang.srt.ray.scheduler_actor import SchedulerActorBase
+
+
+class SchedulerActor(RdtWeightSyncMixin, SchedulerActorBase):
+    __doc__ = SchedulerActorBase.__doc__
+
+    def __init__(self, server_args, *args, **kwargs):
+        super().__init__(server_args, *args, **kwargs)
+        self._init_weight_sync(server_args)
+
+    def run_event_loop(self) -> None:
+        tasks = self._rdt_sync.safe_point
+        tasks.loop_started()
+        try:
+            super().run_event_loop()
+        finally:
+            tasks.loop_stopped()
+            self.shutdown_weight_sync()
+
+
+RdtSchedulerActor = ray.remote(enable_tensor_transport=True)(SchedulerActor)

@@ -3,16 +3,11 @@
 Light: imports nothing, so trainer-side and transport modules may use it.
 """
 
-# Transports a rank pulls from (Ray's tensor-transport names, upper case):
-# NIXL, and the same-node fast path of transport/sglang_ipc.py.
+# Transports a rank pulls refs of (Ray's tensor-transport names, upper case):
+# NIXL, and the same-node transport of transport/sglang_ipc.py.
 NIXL = "NIXL"
 SGLANG_IPC = "SGLANG_IPC"
 PULLABLE_TRANSPORTS = (NIXL, SGLANG_IPC)
-
-# The same-node call lane (engine/local_lane.py, trainer/lane.py): the error
-# kind of a lane call naming a ref the rank does not hold (the trainer then
-# sends it as an actor call).
-LANE_NOT_HELD = "not_held"
 
 # A pull's transfer, on the rank (--rdt-pull-timeout's default).
 PULL_TIMEOUT_S = 60.0
@@ -31,12 +26,14 @@ CALL_TIMEOUT_S = 120.0
 # A rank runs a pull at its next safe point (up to SAFE_POINT_TIMEOUT_S
 # away) and then bounds the transfer itself: the trainer waits that long more.
 PULL_WAIT_MARGIN_S = SAFE_POINT_TIMEOUT_S + 30.0
-# Bucket sizes. GPU: every bucket costs a few ms of fixed overhead (fill, put,
-# the rank's call); on 2xH200 1 GiB buckets ran 3x faster than 256 MiB ones
-# (docs/performance.md). The sender keeps NUM_SLOTS buffers of this size.
+# Group (and bucket slot) sizes: one transfer each, two in flight. GPU: every
+# group costs a call and a sync; on 2xH200 1 GiB buckets ran 3x faster than
+# 256 MiB ones (docs/performance.md).
 CPU_BUCKET_BYTES = 256 << 20
 GPU_BUCKET_BYTES = 1 << 30
-NUM_SLOTS = 2
+# A mapping whose tensors the ranks read in place goes out in this many
+# groups: the next one is described while the ranks copy the last.
+DIRECT_GROUPS = 4
 
 
 def bucket_bytes_for(device: str) -> int:

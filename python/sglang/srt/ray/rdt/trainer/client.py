@@ -1,79 +1,82 @@
 """Push new weights from a trainer into a running SGLang engine over RDT, in one call.
 
 :class:`WeightSyncClient` is what a trainer (plain PyTorch, FSDP, verl,
-OpenRLHF, miles, ...) uses from any Ray job. It drives the SchedulerActor API
-(``register_weight_for_rdt``, ``get_parameter_layout``, ``pull_weights``, ...)
-and the engine's update session (``/weight_sync/*`` or ``RayEngine``), so the
-caller only hands over tensors::
+OpenRLHF, miles, ...) uses from any Ray job::
 
     from sglang.srt.ray.rdt import WeightSyncClient
 
     client = WeightSyncClient.connect(port=30000, namespace="rollout", host="10.0.0.5",
-                                      dp_size=2, address="10.0.0.5:6379")
-    client.register()                 # pin the engine's parameters with NIXL, once
-    stats = client.update(model.state_dict(), version=f"step-{step}")   # every step
+                                      dp_size=2, address="10.0.0.5:6379", device="cuda")
+    client.register()
+    for step in range(steps):
+        train_step()
+        client.update(gathered_tensors(model), version=f"step-{step}")   # a generator
     client.close()
 
 An update checks every name, shape and dtype against each rank's live
-parameters before any byte moves or serving pauses (:class:`WeightSyncError`),
-packs the tensors into buckets in a sender whose buffers stay registered across
-updates, opens the engine's update session, has every rank pull each bucket
-while the next one is filled (:mod:`.pipeline`), and ends the session with the
-new ``weight_version``. Any failure aborts the session; a failing rank raises
-one :class:`WeightSyncRankError` naming it (docs/rdt_weight_sync.md).
+parameters before its bytes move, opens the engine's update session, sends
+the tensors in groups of ``bucket_bytes`` (two in flight) and ends the session
+with the new ``weight_version`` (:mod:`.update`). Ranks on this node read the
+trainer's own GPU tensors in place over their call lanes; others read copies
+in the client's two bucket slots. Any failure aborts the session; a failing
+rank raises one :class:`WeightSyncRankError` naming it.
 
-Tensors must already be in the rollout layout: the rollout model's parameter
-names, dtypes and shapes. With TP 1 (any DP) pass one mapping; with TP > 1 pass
-``{rank: mapping}`` (rank = the engine's global rank, the order of
-:attr:`WeightSyncClient.ranks`), reusing the same mapping object for ranks that
-take the same tensors (DP replicas of one TP shard) so they share buckets.
-Or pass ``layout="hf"`` with one unsharded Hugging Face state dict: sglang's
-own loaders reshard it per rank (:mod:`sglang.srt.ray.rdt.trainer.hf_reshard`).
+Tensors must be in the rollout layout (the rollout model's parameter names,
+dtypes and shapes): one mapping (or iterator) for every rank with TP 1,
+``{rank: mapping}`` with TP > 1 (the same mapping object for ranks that take
+the same tensors), or ``layout="hf"`` with one unsharded Hugging Face state
+dict that sglang's own loaders reshard per rank (:mod:`.hf_reshard`).
+
+What stays of the caller's after ``update()`` returns: nothing. New GPU
+tensors every step cost what fixed ones do when they live in the client's
+staging pool (:mod:`.staging`): a generator passed to ``update()`` is consumed
+inside it; tensors built before the call are built inside ``client.staging()``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
-from sglang.srt.ray.rdt import gc_pause
-from sglang.srt.ray.rdt.defaults import (
-    CALL_TIMEOUT_S,
-    SESSION_LEASE_S,
-    SGLANG_IPC,
-    bucket_bytes_for,
-)
+import torch
+
+from sglang.srt.ray.rdt.defaults import CALL_TIMEOUT_S, SESSION_LEASE_S, SGLANG_IPC, bucket_bytes_for
 from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
-from sglang.srt.ray.rdt.ranks import gather
-from sglang.srt.ray.rdt.trainer import direct
-from sglang.srt.ray.rdt.trainer.buckets import plan_steps
-from sglang.srt.ray.rdt.trainer.payloads import (
-    LayoutCheck,
-    NamedTensors,
-    Signatures,
-    normalize,
-    split_payloads,
-    tensor_item,
-)
+from sglang.srt.ray.rdt.ranks import gather, settle, unfinished
+from sglang.srt.ray.rdt.trainer import buckets, staging
 from sglang.srt.ray.rdt.trainer.discovery import RankInfo, ensure_ray, find_ranks
 from sglang.srt.ray.rdt.trainer.lane import Lanes
-from sglang.srt.ray.rdt.trainer.pipeline import BucketPipeline, Progress
-from sglang.srt.ray.rdt.trainer.sender_link import SenderLink, release_rank_mappings
+from sglang.srt.ray.rdt.trainer.sender import SenderLink, release_rank_mappings
 from sglang.srt.ray.rdt.trainer.sessions import make_session
-from sglang.srt.ray.rdt.trainer.update_run import run_update
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
+from sglang.srt.ray.rdt.trainer.update import Update
 
 __all__ = ["WeightSyncClient", "WeightSyncRankError", "UpdateStats", "BucketStats", "RankInfo"]
 
 logger = logging.getLogger(__name__)
 
-default_bucket_bytes = bucket_bytes_for  # the name earlier releases exported
+NamedTensors = Union[Mapping[str, torch.Tensor], Iterator]
+# Calls that go over a rank's lane when it has one: (lane op, its arguments).
+_LANE_OPS: Dict[str, Tuple[str, Callable[..., Dict[str, Any]]]] = {
+    "finalize_weight_update": ("finalize", lambda v=None, f=True: {"weight_version": v, "flush_cache": f}),
+    "abort_weight_update": ("abort", lambda reason="aborted": {"reason": reason}),
+}
 
 
-# --------------------------------------------------------------------------- #
-# The client
-# --------------------------------------------------------------------------- #
+@dataclass
+class Route:
+    """How an update reaches each rank (:meth:`WeightSyncClient.route`)."""
+
+    direct: bool  # the ranks read the trainer's own tensors (else: bucket slots)
+    lanes: Set[int] = field(default_factory=set)  # ranks reached over their call lane
+    ref_transport: Optional[str] = None  # how slot refs are put for the other ranks
+    why_not_direct: Optional[str] = None
+
+
 class WeightSyncClient:
     """Drive RDT weight updates of one SGLang engine from a trainer.
 
@@ -85,51 +88,36 @@ class WeightSyncClient:
     Args:
         actors: the SchedulerActor handles, in global rank order.
         names: their actor names (for error messages), if known.
-        url: the engine's HTTP address (``http://host:port``): the session is
-            ``POST /weight_sync/{begin,end,abort}``.
-        engine: a ``RayEngine`` (or anything with ``begin_weight_sync``,
-            ``end_weight_sync``, ``abort_weight_sync``) for the session instead.
+        url: the engine's HTTP address: the session is ``POST /weight_sync/*``.
+        engine: a ``RayEngine`` (``begin/end/abort_weight_sync``) instead.
             With neither, the caller must have paused generation
             (``/pause_generation``): ranks refuse pulls otherwise; the client
-            then finalizes (``finalize_weight_update``) or aborts each rank itself.
-        bucket_bytes: bucket size; the sender keeps two buffers of (about) this
-            size, sized down to the model when it is smaller. Default: 1 GiB for
-            CUDA buckets, 256 MiB for CPU ones.
-        device: where the bucket buffers live (``"cpu"``, ``"cuda"``).
+            then finalizes (``finalize_weight_update``) or aborts each rank.
+        bucket_bytes: the size of one group of an update (one transfer; two
+            are in flight) and of each of the two bucket slots. Default: 1 GiB
+            for CUDA tensors, 256 MiB for host memory.
+        device: where the trainer's tensors (and the bucket slots) live.
         pull_timeout_s: transfer timeout per pull on a rank (default: the
             engine's ``--rdt-pull-timeout``).
         lease_s: the engine aborts a session not ended within this many seconds.
         call_timeout_s: bound on every other call (register, layout, session).
-        sender: an existing ``BucketSender`` actor handle to use, or
-            ``"local"``: keep the buckets in this process (which must be a Ray
-            actor or driver that may ``ray.put`` with a tensor transport) —
-            the fast choice for GPU trainers, whose tensors then never leave
-            the GPU (with the default sender actor they are pickled to it).
-        sender_options: Ray ``.options()`` for the sender actor the client
-            creates (default: ``num_cpus=0``; e.g. ``num_gpus=1`` for CUDA buckets).
-        transport: how buckets are put: ``"auto"`` (default: ``"SGLANG_IPC"``
-            when every rank accepts it, else ``"nixl"``), ``"SGLANG_IPC"`` (the
-            same-node fast path; its refs carry NIXL metadata too, so each rank
-            picks: CUDA IPC or process_vm_readv on the trainer's node, NIXL
-            elsewhere) or ``"nixl"``. Each pull reports the path it took
-            (``UpdateStats.transport``). A rank on the trainer's own GPU is
-            never sent NIXL refs (UCX crawls there through TCP, ~0.5 GB/s):
-            ``"nixl"``, or ``"auto"`` resolving to it, is refused for it.
-        export: ``"auto"`` (default): with ``sender="local"``, CUDA tensors
-            and every rank able to read the trainer's GPU over CUDA IPC (same
-            node), the ranks read the trainer's own tensors — no bucket copy,
-            no bucket memory, one ``pull_weights`` per rank
-            (:mod:`.direct`); otherwise buckets. ``"direct"``: always read in
-            place — host-memory tensors too, by ranks on this node
-            (process_vm_readv) — or fail before anything moves, saying why.
-            ``"buckets"``: always buckets. Reading in place against a paused
-            engine (no ``url``/``engine``), each rank ends the update in its
-            one pull call.
-        lane: send pulls of refs a rank on this node has read before (a
-            zero-copy update's kept ref; with ``sender="local"``, the kept
-            bucket refs) over the rank's call lane (a Unix socket;
-            ``engine/local_lane.py``) — ~45 us a round trip instead of a Ray
-            actor call (~2.5 ms). ``False``: Ray calls only.
+        sender: ``"local"`` or None: the bucket slots live in this process
+            (a Ray actor or driver).
+        transport: how ranks without a lane pull slot refs: ``"auto"``
+            (``"SGLANG_IPC"`` when every such rank accepts it, else ``"nixl"``),
+            ``"SGLANG_IPC"`` or ``"nixl"`` (every rank, no lanes). NIXL is
+            refused for a rank on the trainer's own GPU (UCX crawls there
+            through TCP, ~0.5 GB/s).
+        export: ``"auto"``: ranks on this node that see the trainer's GPU read
+            its CUDA tensors in place (no copy, no slot memory); otherwise
+            buckets. ``"direct"``: read in place — host-memory tensors too —
+            or fail before anything moves, saying why. ``"buckets"``: always copy.
+        lane: reach ranks on this node over their call lane (a Unix socket:
+            ~0.1 ms a call against ~2.5 ms for a Ray actor call). False: Ray
+            calls and slot refs only.
+        staging: keep a staging pool on the GPU (:mod:`.staging`), in which
+            generators passed to ``update()`` make their tensors and bucket
+            slots live, so ranks keep their mappings of it across updates.
     """
 
     def __init__(
@@ -144,14 +132,15 @@ class WeightSyncClient:
         pull_timeout_s: Optional[float] = None,
         lease_s: float = SESSION_LEASE_S,
         call_timeout_s: float = CALL_TIMEOUT_S,
-        sender: Any = None,
-        sender_options: Optional[Dict[str, Any]] = None,
+        sender: Optional[str] = None,
         transport: str = "auto",
         export: str = "auto",
         lane: bool = True,
+        staging: bool = True,
     ):
-        if transport.lower() not in ("auto", "nixl", "sglang_ipc"):
-            raise ValueError(f"transport must be 'auto', 'nixl' or 'SGLANG_IPC', got {transport!r}")
+        transport = {"auto": "auto", "nixl": "nixl", "sglang_ipc": SGLANG_IPC}.get(transport.lower())
+        if transport is None:
+            raise ValueError("transport must be 'auto', 'nixl' or 'SGLANG_IPC'")
         if export not in ("auto", "direct", "buckets"):
             raise ValueError(f"export must be 'auto', 'direct' or 'buckets', got {export!r}")
         if not actors:
@@ -161,59 +150,47 @@ class WeightSyncClient:
         names = list(names) if names is not None else [None] * len(actors)
         if len(names) != len(actors):
             raise ValueError(f"{len(names)} names for {len(actors)} actors")
-        self.ranks: List[RankInfo] = [
-            RankInfo(i, a, n) for i, (a, n) in enumerate(zip(actors, names))
-        ]
-        if transport.lower() == "nixl":
-            transport = "nixl"
-        elif transport.lower() == "sglang_ipc":
-            transport = SGLANG_IPC
+        self.ranks: List[RankInfo] = [RankInfo(i, a, n) for i, (a, n) in enumerate(zip(actors, names))]
+        self.labels = [r.label() for r in self.ranks]
         self.url = url.rstrip("/") if url else None
         self.engine = engine
-        self.bucket_bytes = int(bucket_bytes or bucket_bytes_for(device))
         self.device = device
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device_obj = dev
+        self.bucket_bytes = int(bucket_bytes or bucket_bytes_for(device))
         self.pull_timeout_s = pull_timeout_s
         self.lease_s = float(lease_s)
         self.call_timeout_s = float(call_timeout_s)
-        self._layouts: Optional[List[Dict[str, Dict[str, Any]]]] = None
-        self._hf_resharder = None  # layout="hf" updates (hf_resharder())
-        self._busy = threading.Lock()
+        self.transport, self.export = transport, export
+        self.session = make_session(self.url, engine, self._call_all, self.lease_s, self.call_timeout_s)
+        if sender not in (None, "local"):
+            raise ValueError(f"sender must be 'local' (the default): the bucket slots live in the "
+                             f"trainer's process; got {sender!r}")
+        self.sender = SenderLink(device, self.call_timeout_s)
+        self.lanes = Lanes(enabled=lane and transport != "nixl")
+        self.layouts_book = buckets.LayoutBook()
+        self.stuck: List[Any] = []  # flights of a failed update whose pulls never returned
+        self.update_tags = itertools.count(1)  # names the slot tokens of each update
         self.updates = 0
-        self.transport = transport.lower() if transport.lower() == "auto" else transport
-        self.session = make_session(self.url, engine, self._call_all, self.lease_s,
-                                    self.call_timeout_s)
-        self.sender = SenderLink(device, sender, sender_options, self.call_timeout_s,
-                                 self.put_transport)
-        self.lanes = Lanes(enabled=lane)  # same-node call lanes to the ranks
-        self.pipeline = BucketPipeline(self.ranks, self.sender.call, self._gather, self.lanes)
-        self.export = export
+        self._staging = staging
+        self._pool = None
+        self._layouts: Optional[List[Dict[str, Dict[str, Any]]]] = None
         self._statuses: Optional[List[Dict[str, Any]]] = None
-        self._direct_used = False  # ranks may hold mappings of the trainer's tensors
-        self._direct_refs = direct.DirectRefs()  # the last zero-copy update's refs
-        self._signatures = Signatures()  # the last update's tensors, per rank group
-        self._checked = LayoutCheck()  # per rank group: the last layout that passed
-        self._in_place = direct.InPlaceCheck()  # the last tensors read in place
-        self._trainer_gpu: Optional[tuple] = None
+        self._route: Optional[Route] = None
+        self._hf_resharder = None
+        self._busy = threading.Lock()
 
     # ------------------------------------------------------------------ #
     # Construction
     # ------------------------------------------------------------------ #
     @classmethod
-    def connect(
-        cls,
-        port: int,
-        *,
-        namespace: str,
-        node_ip: Optional[str] = None,
-        host: str = "127.0.0.1",
-        dp_size: int = 1,
-        tp_size: int = 1,
-        pp_size: int = 1,
-        bundle_index: Union[int, Callable[[int, int, int], int]] = 0,
-        address: Optional[str] = None,
-        url: Optional[str] = None,
-        **kwargs,
-    ) -> "WeightSyncClient":
+    def connect(cls, port: int, *, namespace: str, node_ip: Optional[str] = None,
+                host: str = "127.0.0.1", dp_size: int = 1, tp_size: int = 1, pp_size: int = 1,
+                bundle_index: Union[int, Callable[[int, int, int], int]] = 0,
+                address: Optional[str] = None, url: Optional[str] = None,
+                **kwargs) -> "WeightSyncClient":
         """Find a running engine's ranks by their rebuilt actor names.
 
         Args:
@@ -232,10 +209,8 @@ class WeightSyncClient:
             **kwargs: passed to the constructor (``bucket_bytes``, ``device``, ...).
         """
         ensure_ray(address)
-        actors, names = find_ranks(
-            port, namespace, node_ip=node_ip, host=host, dp_size=dp_size, tp_size=tp_size,
-            pp_size=pp_size, bundle_index=bundle_index,
-        )
+        actors, names = find_ranks(port, namespace, node_ip=node_ip, host=host, dp_size=dp_size,
+                                   tp_size=tp_size, pp_size=pp_size, bundle_index=bundle_index)
         return cls(actors, names=names, url=url or f"http://{host}:{port}", **kwargs)
 
     @classmethod
@@ -246,56 +221,83 @@ class WeightSyncClient:
     # ------------------------------------------------------------------ #
     # Calls on every rank
     # ------------------------------------------------------------------ #
-    def _gather(self, calls: Sequence[Tuple[int, Any]], phase: str, timeout_s: float) -> Dict[int, Any]:
-        """Wait for ``[(rank, ref)]``; one :class:`WeightSyncRankError` if any failed."""
+    def gather(self, calls, phase: str, timeout_s: float) -> Dict[int, Any]:
+        """Wait for ``[(rank, call)]``; one :class:`WeightSyncRankError` if any failed."""
         return gather(calls, phase, timeout_s, lambda rank: self.ranks[rank].name)
 
     def _call_all(self, method: str, *args, timeout_s: Optional[float] = None,
                   only: Optional[Sequence[int]] = None) -> List[Any]:
         ranks = self.ranks if only is None else [self.ranks[i] for i in only]
-        calls = [(r.index, getattr(r.actor, method).remote(*args)) for r in ranks]
-        out = self._gather(calls, method, timeout_s or self.call_timeout_s)
+        calls = []
+        for r in ranks:
+            link = self.lanes.link(r.index) if method in _LANE_OPS else None
+            if link is not None:
+                op, kwargs = _LANE_OPS[method]
+                calls.append((r.index, link.send(op, kwargs(*args))))
+            else:
+                calls.append((r.index, getattr(r.actor, method).remote(*args)))
+        out = self.gather(calls, method, timeout_s or self.call_timeout_s)
         return [out[r.index] for r in ranks]
 
-    def register(self, named_tensors: Optional[NamedTensors] = None) -> List[Dict[str, Any]]:
-        """Pin every rank's parameters with NIXL once and prepare the bucket buffers.
+    def register(self, named_tensors: Optional[Mapping[str, torch.Tensor]] = None) -> List[Dict[str, Any]]:
+        """Pin every rank's parameters with NIXL once, open the call lanes
+        and choose how updates travel. Idempotent. Returns each rank's
+        ``register_weight_for_rdt()`` result.
 
-        Idempotent. Returns each rank's ``register_weight_for_rdt()`` result
-        (``{"registered": False, "reason": ...}`` under ``--enable-memory-saver``,
-        where pulls register per call instead).
-
-        ``named_tensors``: the tensors later updates will send (as for
-        :meth:`update`), checked now. When the ranks read them in place, they
-        are put now and every rank does all of a pull but the copy
-        (``prepare_pull_weights``: plan, CUDA IPC mappings of the trainer's
-        memory), writing nothing. With buckets, the buckets their updates will
-        fill are put now (the sender keeps those refs) and every rank
-        prepares its pulls of them. Either way the first update then costs
-        what later ones do.
+        ``named_tensors`` (a mapping, as for :meth:`update`): the tensors later
+        updates will send, checked now; the ranks plan their pulls and map
+        what stays mapped (tensors in the staging pool), writing nothing, so
+        the first update costs what later ones do.
         """
         out = self._call_all("register_weight_for_rdt")
-        layouts = self.parameter_layouts(refresh=True)
+        self.parameter_layouts(refresh=True)
         self._statuses = None
-        if direct.client_blocker(self) is None:
-            if named_tensors is not None:
-                direct.prepare(self, named_tensors)
-            return out  # updates read the trainer's tensors: no buckets to allocate
+        self._route = None
+        route = self.route()
         if named_tensors is not None:
-            payloads, groups = split_payloads(named_tensors, len(self.ranks))
-            items_per_group = self._checked.items_per_group(
-                payloads, groups, layouts, [r.label() for r in self.ranks], False)
-        else:
-            items_per_group = [[tensor_item(n, spec["shape"], spec["dtype"])
-                                for n, spec in layouts[0].items()]]
-        if any(items_per_group):
-            steps, buffer_bytes = plan_steps(items_per_group, self.bucket_bytes)
-            self.pipeline.reclaim_stuck()
-            self.sender.prepare(buffer_bytes, self.ranks)
-            if named_tensors is not None:
-                if self.sender.local:
-                    direct.open_lanes(self)  # first: the ranks then keep the primed refs
-                self.pipeline.prime(steps, groups, self.call_timeout_s)
+            if buckets.is_stream(named_tensors):
+                raise WeightSyncError("register() takes a mapping of the tensors, not an iterator")
+            payloads, rank_groups = buckets.split_payloads(named_tensors, len(self.ranks))
+            steps = list(buckets.steps(payloads, rank_groups, self.bucket_bytes))
+            for step in steps:
+                for rg, group in step:
+                    self.layouts_book.assign(rg, group, rank_groups[rg], self._layouts, self.labels)
+            if route.direct:
+                self._prepare_direct(steps, rank_groups)
+            else:
+                self.sender.prepare(max(buckets.slot_layout(s)[1] for s in steps), self.ranks)
+        elif route.direct and self.staging_pool() is not None:
+            self._warm_pool()
         return out
+
+    def _warm_pool(self) -> None:
+        """Grow the staging pool to what a streamed update holds (two groups)
+        and have the ranks map it now: the first update's tensors are carved
+        from it, so it costs what later ones do."""
+        from sglang.srt.ray.rdt.transport import same_node
+
+        with self.staging():
+            block = torch.empty(2 * self.bucket_bytes + self.bucket_bytes // 8, dtype=torch.uint8,
+                                device=self.device_obj)
+        meta = same_node.export([block])
+        calls = [(r, self.lanes.links[r].send("map", {"source": meta})) for r in sorted(self.route().lanes)]
+        self.gather(calls, "map the staging pool", self.call_timeout_s)
+        del block
+
+    def _prepare_direct(self, steps, rank_groups) -> None:
+        from sglang.srt.ray.rdt.transport import same_node
+
+        if self.device_obj.type == "cuda":
+            torch.cuda.synchronize(self.device_obj)
+        calls = []
+        for step in steps:
+            for rg, group in step:
+                meta = same_node.export(group.tensors, with_specs=False)
+                calls += [(r, self.lanes.pull(r, group, meta, None, prepare=True))
+                          for r in rank_groups[rg]]
+        self.gather(calls, "prepare_pull_weights", self.call_timeout_s)
+        for r, call in calls:
+            self.lanes.defined(r, call)
 
     def parallelism_configs(self) -> List[Dict[str, Any]]:
         """Each rank's parallel layout (tp/pp/dp ranks and sizes, device, ...)."""
@@ -312,73 +314,150 @@ class WeightSyncClient:
         self._statuses = self._call_all("get_weight_sync_status")
         return self._statuses
 
-    def _cached_status(self) -> List[Dict[str, Any]]:
-        return self._statuses if self._statuses is not None else self.status()
+    # ------------------------------------------------------------------ #
+    # How updates travel
+    # ------------------------------------------------------------------ #
+    def route(self) -> Route:
+        """Which ranks get lane calls, whether they read the trainer's own
+        tensors, and how slot refs are put for the others (cached until a
+        lane breaks or :meth:`register` runs)."""
+        if self._route is not None and all(self.lanes.link(r) for r in self._route.lanes):
+            return self._route
+        statuses = self._statuses if self._statuses is not None else self.status()
+        self.lanes.open(self.ranks, statuses, self.call_timeout_s)
+        lanes = {r.index for r in self.ranks if self.lanes.link(r.index) is not None}
+        others = [r for r in self.ranks if r.index not in lanes]
+        ref_transport = None
+        if others:
+            accepts = all(SGLANG_IPC in (statuses[r.index].get("transports") or []) for r in others)
+            if self.transport == SGLANG_IPC and not accepts:
+                raise WeightSyncError("transport='SGLANG_IPC', but not every rank accepts it "
+                                      "(get_weight_sync_status()['transports'])")
+            ref_transport = SGLANG_IPC if self.transport != "nixl" and accepts else "nixl"
+            if ref_transport == "nixl":
+                self._refuse_nixl_on_this_gpu([statuses[r.index] for r in others],
+                                              [r.label() for r in others])
+        why = self._why_not_direct(statuses, lanes)
+        if why is not None and self.export == "direct":
+            raise WeightSyncError(f"export='direct': the ranks cannot read this trainer's tensors "
+                                  f"in place ({why}); nothing was sent")
+        self._route = Route(why is None, lanes, ref_transport, why)
+        logger.info("[RDT] weight-sync route: %s, %d of %d ranks over lanes%s",
+                    "direct" if why is None else f"buckets ({why})", len(lanes), len(self.ranks),
+                    f", refs over {ref_transport}" if ref_transport else "")
+        return self._route
 
-    def put_transport(self) -> str:
-        """The transport the client's sender puts with (``auto`` resolved
-        against what every rank accepts; NIXL refused for a rank on this
-        trainer's GPU)."""
-        return direct.resolve_put_transport(self)
+    def _trainer_gpu(self) -> Optional[Tuple[str, str]]:
+        if self.device_obj.type != "cuda":
+            return None
+        from sglang.srt.ray.rdt.transport import same_node
+        from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
+
+        return same_node.node_id(), device_uuid(self.device_obj.index)
+
+    def _why_not_direct(self, statuses, lanes: Set[int]) -> Optional[str]:
+        if self.export == "buckets":
+            return "export='buckets'"
+        missing = [self.labels[i] for i in range(len(self.ranks)) if i not in lanes]
+        if missing:
+            return f"{', '.join(missing)} cannot be reached over a same-node lane"
+        gpu = self._trainer_gpu()
+        if gpu is None:
+            return None if self.export == "direct" else "host-memory tensors are read in place " \
+                "only with export='direct'"
+        for st, label in zip(statuses, self.labels):
+            if gpu[1] not in ((st.get("ipc_reach") or {}).get("gpus") or []):
+                return f"{label} does not see this trainer's GPU {gpu[1]}"
+        return None
+
+    def _refuse_nixl_on_this_gpu(self, statuses, labels) -> None:
+        gpu = self._trainer_gpu()
+        shared = [label for st, label in zip(statuses, labels) if gpu is not None
+                  and (st.get("ipc_reach") or {}).get("node_id") == gpu[0]
+                  and st.get("device_uuid") == gpu[1]]
+        if shared:
+            raise WeightSyncError(
+                f"{', '.join(shared)} run(s) on this trainer's GPU, and NIXL cannot move bytes "
+                "between two processes of one GPU (UCX falls back to TCP over loopback: ~0.5 GB/s "
+                "measured on an H200). Use transport='auto' or 'SGLANG_IPC' (CUDA IPC) with lane=True.")
+
+    def staging_pool(self):
+        """The staging pool on the client's GPU (None on the CPU or with staging=False)."""
+        if self._pool is None and self._staging and self.device_obj.type == "cuda":
+            self._pool = staging.acquire(self.device_obj)
+        return self._pool
+
+    @contextlib.contextmanager
+    def staging(self):
+        """``with client.staging(): tensors = build(...)``: new CUDA tensors of
+        this thread come from the staging pool, which the ranks keep mapped
+        across updates (a no-op on the CPU)."""
+        pool = self.staging_pool()
+        with pool.allocating() if pool is not None else contextlib.nullcontext():
+            yield
 
     # ------------------------------------------------------------------ #
     # Update
     # ------------------------------------------------------------------ #
-    def update(
-        self,
-        named_tensors: Union[NamedTensors, Mapping[int, NamedTensors]],
-        *,
-        version: Optional[str] = None,
-        bucket_bytes: Optional[int] = None,
-        strict: bool = False,
-        flush_cache: bool = True,
-        progress: Optional[Progress] = None,
-        layout: str = "rollout",
-        hf_model_path: Optional[str] = None,
-    ) -> UpdateStats:
+    def update(self, named_tensors, *, version: Optional[str] = None,
+               bucket_bytes: Optional[int] = None, strict: bool = False, flush_cache: bool = True,
+               progress: Optional[Callable[[BucketStats, int, Optional[int]], None]] = None,
+               layout: str = "rollout", hf_model_path: Optional[str] = None) -> UpdateStats:
         """Write ``named_tensors`` into every rank's live parameters; finalize.
 
         Args:
-            named_tensors: ``{name: tensor}`` (or ``model.named_parameters()``)
-                in the rollout layout, sent to every rank; or ``{rank: ...}``
-                with one mapping per rank (TP > 1).
-            version: the new ``weight_version`` (shown in ``/generate``'s
-                ``meta_info`` and ``/weight_sync/status``).
-            bucket_bytes: override the client's bucket size for this update.
+            named_tensors: ``{name: tensor}``, or an iterator of ``(name,
+                tensor)`` made as it is consumed (a gather loop: at most two
+                groups' worth alive at a time), in the rollout layout, sent to
+                every rank; or ``{rank: mapping}`` (TP > 1).
+            version: the new ``weight_version``.
+            bucket_bytes: override the client's group size for this update.
             strict: require every parameter of the rollout model to be sent.
             flush_cache: flush the prefix cache when finalizing (its KV came
                 from the old weights; keep True unless you know better).
-            progress: ``progress(bucket_stats, done, total)`` after each bucket.
-            layout: ``"rollout"`` (default: the tensors are the ranks' own
-                parameters) or ``"hf"``: ``named_tensors`` is one unsharded
-                state dict under the Hugging Face checkpoint's names (what a
-                trainer holds after gathering); sglang's own loaders fuse and
-                shard it for each rank (:meth:`hf_resharder`), after checking
-                every name, shape and dtype.
+            progress: ``progress(step_stats, done, total)`` after each step
+                (``total`` None for an iterator).
+            layout: ``"rollout"`` or ``"hf"``: ``named_tensors`` is one
+                unsharded state dict under the Hugging Face checkpoint's
+                names; sglang's own loaders fuse and shard it per rank.
             hf_model_path: for ``layout="hf"``, the rollout model's checkpoint
                 directory on this host (default: the engine's ``--model-path``).
 
-        Returns :class:`UpdateStats`.
-
         Raises:
-            WeightSyncError: the tensors do not fit the rollout model (nothing
-                was sent, serving never paused); or the session/sender failed.
+            WeightSyncError: the tensors do not fit the rollout model (a
+                mapping: nothing was sent, serving never paused; an iterator:
+                found when the group comes, the session is aborted); or the
+                session or sender failed.
             WeightSyncRankError: a rank failed; the session was aborted.
         """
         if not self._busy.acquire(blocking=False):
             raise WeightSyncError("another update of this client is running")
         try:
+            self._reclaim_stuck()
             if layout == "hf":
                 named_tensors = self.hf_resharder(hf_model_path).reshard(
-                    normalize(named_tensors), strict=strict
-                )
+                    buckets.normalize(named_tensors), strict=strict)
             elif layout != "rollout":
                 raise ValueError(f"layout must be 'rollout' or 'hf', got {layout!r}")
-            # No full garbage collection (75-107 ms) inside the update.
-            with gc_pause.paused("trainer update"):
-                return self._update(named_tensors, version, bucket_bytes, strict, flush_cache, progress)
+            stats = Update(self, None if version is None else str(version),
+                           int(bucket_bytes or self.bucket_bytes), strict, flush_cache,
+                           progress).run(named_tensors)
+            self.updates += 1
+            logger.info("[RDT] update: %s", stats.summary())
+            return stats
         finally:
             self._busy.release()
+
+    def _reclaim_stuck(self) -> None:
+        """Free slots a failed update left in flight, once their pulls are over."""
+        for flight in list(self.stuck):
+            settle(flight.calls, 1.0)
+            if unfinished(flight.calls):
+                raise WeightSyncError(
+                    f"a pull of a previous, failed update still reads bucket slot {flight.slot}; "
+                    "wait for it or restart the ranks before the next update")
+            self.sender.call("release", flight.slot, flight.token)
+            self.stuck.remove(flight)
 
     def hf_resharder(self, model_path: Optional[str] = None):
         """The :class:`~sglang.srt.ray.rdt.trainer.hf_reshard.HFResharder` of
@@ -388,33 +467,30 @@ class WeightSyncClient:
             from sglang.srt.ray.rdt.trainer.hf_reshard import HFResharder
 
             if not self.url:
-                raise WeightSyncError(
-                    "layout='hf' reads the engine's /server_info and /parallelism_config: "
-                    "build the client with url= (or WeightSyncClient.connect)"
-                )
+                raise WeightSyncError("layout='hf' reads the engine's /server_info and "
+                                      "/parallelism_config: build the client with url= "
+                                      "(or WeightSyncClient.connect)")
             self._hf_resharder = HFResharder.from_engine_url(
-                self.url, len(self.ranks), model_path=model_path, timeout_s=self.call_timeout_s
-            )
+                self.url, len(self.ranks), model_path=model_path, timeout_s=self.call_timeout_s)
         return self._hf_resharder
-
-    def _update(self, named_tensors, version, bucket_bytes, strict, flush_cache, progress):
-        return run_update(self, named_tensors, version, bucket_bytes, strict, flush_cache, progress)
 
     # ------------------------------------------------------------------ #
     def close(self) -> None:
-        """Free the bucket buffers (NIXL deregistration) and the sender actor;
-        make the ranks close their mappings of the trainer's tensors."""
-        self._direct_refs.clear()  # lets go of the trainer's tensors
+        """Close the lanes, make the ranks let go of this process's memory,
+        free the bucket slots (and the sender actor) and the staging pool."""
         self.lanes.close()
         try:
-            if self._direct_used:
-                self._direct_used = False
-                from sglang.srt.ray.rdt.transport import sglang_ipc
+            if self._pool is not None or self.device_obj.type == "cuda":
+                from sglang.srt.ray.rdt.transport import same_node
 
-                release_rank_mappings(self.ranks, sglang_ipc.sender_token(),
-                                      self.call_timeout_s, "the trainer's tensors")
+                release_rank_mappings(self.ranks, same_node.token(), self.call_timeout_s,
+                                      "the trainer's tensors")
         finally:
-            self.sender.close(self.ranks)
+            try:
+                self.sender.close(self.ranks)
+            finally:
+                staging.release(self._pool)
+                self._pool = None
 
     def __enter__(self) -> "WeightSyncClient":
         return self

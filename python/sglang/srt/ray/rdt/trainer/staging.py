@@ -1,0 +1,126 @@
+"""The trainer's staging pool: CUDA memory the ranks map once and keep mapped.
+
+A rank reads a trainer's GPU tensors through CUDA IPC mappings of the
+segments that hold them. CUDA forbids a process to free memory another still
+maps, so a rank closes the mapping of an ordinary segment right after its
+copy, and maps it again at the next update: ~45 us to open and ~30 us to close
+each segment, 20-30 ms for a model's worth, every update.
+
+Memory from the staging pool is different: it is a private pool of PyTorch's
+caching allocator (``torch.cuda.MemPool``), whose segments stay allocated while
+the pool lives (``torch.cuda.empty_cache()`` does not free them), so ranks keep
+their mappings of it from one update to the next. Tensors the trainer makes
+anew every step land in the same segments again (the allocator reuses what
+the last step freed), so after the first update nothing is mapped again.
+``WeightSyncClient`` consumes a generator passed to ``update()`` inside the
+pool, allocates its bucket slots there, and offers ``client.staging()`` for
+tensors built before the call. The pool's memory is reserved by this process
+(``torch.cuda.memory_reserved``), not allocated: tensors freed in it are free
+for the next step's tensors, and :func:`release` gives it back once the ranks
+let go of it (``WeightSyncClient.close``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Dict, Iterator, Optional, Set
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_pools: Dict[int, "StagingPool"] = {}  # device index -> this process's pool
+
+
+class StagingPool:
+    """One device's pool and the segment bases it holds."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.MemPool()
+        self.users = 0  # clients using it (the last one's close releases it)
+        self._bases: Set[int] = set()
+        self._not_ours: Set[int] = set()  # bases seen outside the pool (until the next refresh)
+
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator[None]:
+        """New CUDA tensors of this thread on the pool's device come from the pool."""
+        with torch.cuda.use_mem_pool(self.pool, self.device):
+            yield
+
+    def holds(self, base: int) -> bool:
+        """Whether the segment at ``base`` belongs to the pool."""
+        if base in self._bases:
+            return True
+        if base in self._not_ours:
+            return False
+        self._bases = {int(s["address"]) for s in self.pool.snapshot()}
+        self._not_ours.clear()
+        if base in self._bases:
+            return True
+        self._not_ours.add(base)
+        return False
+
+    def reserved_bytes(self) -> int:
+        return sum(int(s["total_size"]) for s in self.pool.snapshot())
+
+
+def available() -> Optional[str]:
+    """None when this PyTorch can keep a staging pool, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not hasattr(torch.cuda, "MemPool") or not hasattr(torch.cuda, "use_mem_pool"):
+        return f"torch {torch.__version__} has no torch.cuda.MemPool"
+    return None
+
+
+def acquire(device) -> Optional[StagingPool]:
+    """This process's pool on ``device`` (made on first use), or None when
+    PyTorch cannot keep one; pair with :func:`release`."""
+    why = available()
+    if why is not None:
+        logger.info("[RDT] no staging pool (%s): ranks map the trainer's tensors every update", why)
+        return None
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    from sglang.srt.ray.rdt.transport import same_node
+
+    with _lock:
+        pool = _pools.get(index)
+        if pool is None:
+            pool = _pools[index] = StagingPool(torch.device("cuda", index))
+            same_node.set_keeper(index, pool.holds)
+        pool.users += 1
+        return pool
+
+
+def get(device) -> Optional[StagingPool]:
+    """This process's pool on ``device`` if one is in use."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    with _lock:
+        return _pools.get(index)
+
+
+def release(pool: Optional[StagingPool]) -> bool:
+    """Drop one user of ``pool``; the last one frees its memory (call it only
+    once every rank released its mappings of this process). Returns whether
+    the pool was freed."""
+    if pool is None:
+        return False
+    from sglang.srt.ray.rdt.transport import same_node
+
+    with _lock:
+        pool.users -= 1
+        if pool.users > 0:
+            return False
+        _pools.pop(pool.device.index, None)
+    same_node.set_keeper(pool.device.index, None)  # its segments may be handed out anew
+    pool.pool = None  # the allocator frees the pool once nothing references it
+    torch.cuda.empty_cache()
+    return True

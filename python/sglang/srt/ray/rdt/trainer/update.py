@@ -1,0 +1,318 @@
+"""One :meth:`WeightSyncClient.update`: plan, transfer, finish — each once.
+
+**Plan.** Split what the trainer gave into rank groups and cut each into
+groups of at most ``bucket_bytes`` (``buckets.py``). A mapping is cut and
+checked whole before anything moves (names, shapes, dtypes against every
+rank's live parameters, once per layout); an iterator is cut as it is
+consumed, each group checked before it is sent.
+
+**Transfer.** Step ``k`` (group ``k`` of every rank group) goes out in one of
+two ways the client chose (:class:`~.client.Route`): *direct* — ranks on this
+node read the trainer's own tensors through their call lanes (no copy, no
+``ray.put``); *buckets* — the step is copied into one of the client's two
+slots, ranks with a lane read the slot through it, the others pull a ref of it
+through Ray. At most two steps are in flight: step ``k`` is made (an
+iterator's tensors are created now) only once step ``k - 2`` landed, so the
+trainer's tensors are alive two groups' worth at a time, and a slot is
+refilled only after every rank's pull of it returned. The engine's update
+session opens right before the first step goes out.
+
+**Finish.** End the session with the new ``weight_version``. On any failure:
+wait (bounded) for pulls still reading, abort the session, raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from sglang.srt.ray.rdt.defaults import DIRECT_GROUPS, PULL_TIMEOUT_S, PULL_WAIT_MARGIN_S
+from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
+from sglang.srt.ray.rdt.ranks import settle, unfinished
+from sglang.srt.ray.rdt.trainer import buckets
+from sglang.srt.ray.rdt.trainer.lane import LaneCall
+from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Flight:
+    """A step sent to its ranks, and what it holds until they all answered."""
+
+    index: int
+    step: List[Tuple[int, buckets.Group]]
+    calls: List[Tuple[int, Any]]  # (rank, ObjectRef or LaneCall)
+    fill_seconds: float
+    slot: Optional[int] = None  # buckets: the slot the ranks read
+    token: str = ""
+    held_bytes: int = 0  # direct: the trainer's bytes the ranks read in place
+    sources: List[Tuple[Any, Any]] = field(default_factory=list)  # per region: (ref, description)
+
+
+@dataclass
+class Update:
+    client: Any
+    version: Optional[str]
+    bucket_bytes: int
+    strict: bool
+    flush_cache: bool
+    progress: Any = None
+    flights: deque = field(default_factory=deque)
+    steps_done: List[BucketStats] = field(default_factory=list)
+    paths: List[str] = field(default_factory=list)
+    session_id: Optional[str] = None
+    session_open: bool = False
+    begin_seconds: float = 0.0
+    end_seconds: float = 0.0
+    lane_calls: int = 0
+    held: int = 0
+    max_held: int = 0
+    tensors: int = 0
+    payload_bytes: int = 0
+    moved_bytes: int = 0
+    t_first: Optional[float] = None
+    # set by run(): the client's route, the rank groups, what each was sent
+    route: Any = None
+    rank_groups: List[List[int]] = field(default_factory=list)
+    sent: List[set] = field(default_factory=list)
+    stream: bool = False
+    slot_bytes: int = 0
+    wait_s: float = 0.0
+
+    # -- plan ------------------------------------------------------------------ #
+    def run(self, named) -> UpdateStats:
+        t0 = time.perf_counter()
+        c = self.client
+        self.route = c.route()
+        self.wait_s = (c.pull_timeout_s or PULL_TIMEOUT_S) + PULL_WAIT_MARGIN_S
+        payloads, self.rank_groups = buckets.split_payloads(named, len(c.ranks))
+        self.stream = buckets.is_stream(named)
+        self.sent = [set() for _ in self.rank_groups]
+        self._tag = next(c.update_tags)
+        group_bytes = self.bucket_bytes
+        if self.route.direct and not self.stream:
+            # The caller holds every tensor anyway: a few groups, so the next
+            # one is described while the ranks copy the last.
+            total = max(sum(t.nbytes for t in p.values()) for p in payloads)
+            group_bytes = max(-(-total // DIRECT_GROUPS), 1)
+        steps = buckets.steps(payloads, self.rank_groups, group_bytes)
+        self.slot_bytes = self.bucket_bytes
+        if not self.stream:  # every layout checked before anything moves
+            planned = [self._check(step) for step in steps]
+            if not self.route.direct:
+                self.slot_bytes = max(buckets.slot_layout(step)[1] for step in planned)
+            if self.strict:
+                for rg, payload in enumerate(payloads):
+                    for r in self.rank_groups[rg]:
+                        buckets.check_strict(payload.keys(), c.parameter_layouts()[r], c.labels[r])
+            steps = iter(planned)
+        try:
+            self._transfer(steps)
+            self._finish()
+        except BaseException as e:
+            self._settle()
+            if self.session_open:
+                self._abort(e)
+            raise
+        return self._stats(t0)
+
+    def _check(self, step):
+        c = self.client
+        for rg, group in step:
+            c.layouts_book.assign(rg, group, self.rank_groups[rg], c.parameter_layouts(), c.labels)
+        return step
+
+    # -- transfer --------------------------------------------------------------- #
+    def _transfer(self, steps) -> None:
+        while True:
+            if len(self.flights) == 2:  # its slot, or its share of the bound, is needed
+                self._land(self.flights.popleft())
+            step = self._next(steps)
+            if step is None:
+                break
+            self.flights.append(self._send(step))
+        while self.flights:
+            self._land(self.flights.popleft())
+
+    def _next(self, steps):
+        """The next step; an iterator's tensors are made now (in the staging
+        pool on a GPU, so the ranks keep their mappings of them)."""
+        pool = self.client.staging_pool() if self.stream else None
+        with pool.allocating() if pool is not None else contextlib.nullcontext():
+            step = next(steps, None)
+        if step is not None and self.stream:
+            self._check(step)
+        return step
+
+    def _send(self, step) -> Flight:
+        c = self.client
+        index = len(self.steps_done) + len(self.flights)
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        t0 = time.perf_counter()
+        if self.route.direct:
+            flight = self._describe(index, step)
+        else:
+            flight = self._fill(index, step)
+        flight.fill_seconds = time.perf_counter() - t0
+        if not self.session_open:
+            t1 = time.perf_counter()
+            self.session_id = c.session.begin()
+            self.session_open = True
+            self.begin_seconds = time.perf_counter() - t1
+        timeout = c.pull_timeout_s
+        for (rg, group), (ref, meta) in zip(step, flight.sources):
+            for r in self.rank_groups[rg]:
+                if r in self.route.lanes:
+                    call = c.lanes.pull(r, group, meta, timeout)
+                    self.lane_calls += 1
+                else:
+                    call = c.ranks[r].actor.pull_weights.remote([ref], group.names, timeout)
+                flight.calls.append((r, call))
+            self.sent[rg].update(group.names)
+        return flight
+
+    def _describe(self, index: int, step) -> Flight:
+        """Direct: describe the trainer's own tensors where they are."""
+        from sglang.srt.ray.rdt.transport import same_node
+
+        device = self.client.device_obj
+        sources, held = [], 0
+        for _, group in step:
+            _in_place(group, device)
+            held += group.nbytes
+        if device.type == "cuda" and (self.stream or index == 0):
+            # queued work on them is done before a rank reads (a mapping: all
+            # made before the call; an iterator: made as it is consumed)
+            torch.cuda.synchronize(device)
+        for _, group in step:
+            sources.append((None, same_node.export(group.tensors, with_specs=False)))
+        self.held += held
+        self.max_held = max(self.max_held, self.held)
+        return Flight(index, step, [], 0.0, held_bytes=held, sources=sources)
+
+    def _fill(self, index: int, step) -> Flight:
+        """Buckets: copy the step into a free slot; a ref of it for Ray ranks."""
+        c = self.client
+        offsets, need = buckets.slot_layout(step)
+        if need > c.sender.slot_bytes:  # first use, or a stream's tensor larger than the slots
+            while self.flights:
+                self._land(self.flights.popleft())
+            c.sender.prepare(max(need, self.slot_bytes), c.ranks)
+        slot, token = index % 2, f"update {self._tag} step {index}"
+        flight = Flight(index, step, [], 0.0, slot=slot, token=token)
+        local = any(r in self.route.lanes for rg, _ in step for r in self.rank_groups[rg])
+        ray_ranks = any(r not in self.route.lanes for rg, _ in step for r in self.rank_groups[rg])
+        flight.sources = c.sender.call("fill", slot, token, offsets, [g.tensors for _, g in step],
+                                       self.route.ref_transport if ray_ranks else None, local)
+        for _, group in step:
+            group.tensors = []  # copied: the trainer's tensors are not read again
+        return flight
+
+    def _land(self, flight: Flight) -> None:
+        c = self.client
+        results = c.gather(flight.calls, f"pull of step {flight.index + 1}", self.wait_s)
+        for r, call in flight.calls:
+            if isinstance(call, LaneCall):
+                c.lanes.defined(r, call)
+        if flight.slot is not None:
+            c.sender.call("release", flight.slot, flight.token)
+        self.held -= flight.held_bytes
+        nbytes = sum(g.nbytes for _, g in flight.step)
+        ntensors = sum(len(g.names) for _, g in flight.step)
+        self.tensors += ntensors
+        self.payload_bytes += nbytes
+        self.moved_bytes += sum(g.nbytes * len(self.rank_groups[rg]) for rg, g in flight.step)
+        for r, _ in flight.calls:
+            for t in str(results[r].get("transport") or "").split(","):
+                if t and t not in self.paths:
+                    self.paths.append(t)
+        rank_seconds = [float(results[r].get("seconds", 0.0)) for r, _ in flight.calls]
+        slowest = max(rank_seconds, default=0.0)
+        stats = BucketStats(index=flight.index, tensors=ntensors, bytes=nbytes, ranks=len(flight.calls),
+                            fill_seconds=flight.fill_seconds, pull_seconds=slowest,
+                            gbps=nbytes / slowest / 1e9 if slowest > 0 else 0.0,
+                            rank_seconds=rank_seconds)
+        flight.step = []  # the trainer's tensors (direct) are let go here
+        self.steps_done.append(stats)
+        if self.progress is not None:
+            try:
+                self.progress(stats, len(self.steps_done), None if self.stream else
+                              len(self.steps_done) + len(self.flights))
+            except Exception as e:  # a display bug must not abort an update
+                logger.warning("[RDT] progress callback failed: %s", e)
+
+    # -- finish ----------------------------------------------------------------- #
+    def _finish(self) -> None:
+        c = self.client
+        if self.stream and self.strict:
+            for rg, names in enumerate(self.sent):
+                for r in self.rank_groups[rg]:
+                    buckets.check_strict(names, c.parameter_layouts()[r], c.labels[r])
+        t0 = time.perf_counter()
+        c.session.end(self.session_id, self.version, self.flush_cache)
+        self.end_seconds = time.perf_counter() - t0
+
+    def _settle(self) -> None:
+        """After a failure: wait (bounded) for pulls still reading; free the
+        slots whose pulls are over (a slot still read stays reserved until
+        :meth:`WeightSyncClient` reclaims it)."""
+        c = self.client
+        for flight in self.flights:
+            settle(flight.calls, self.wait_s)
+            if flight.slot is None:
+                continue
+            if unfinished(flight.calls):
+                logger.error("[RDT] pulls of bucket slot %d did not return; it stays reserved",
+                             flight.slot)
+                c.stuck.append(flight)
+                continue
+            try:
+                c.sender.call("release", flight.slot, flight.token)
+            except WeightSyncError as e:  # e.g. the fill itself failed before marking
+                logger.debug("[RDT] release of slot %d after failure: %s", flight.slot, e)
+        self.flights.clear()
+
+    def _abort(self, e: BaseException) -> None:
+        """Abort the engine's session after ``e``; say on ``e`` if that failed too."""
+        reason = f"weight-sync client: {type(e).__name__}: {str(e)[:300]}"
+        try:
+            self.client.session.abort(self.session_id, reason)
+            if isinstance(e, WeightSyncRankError):
+                e.aborted = True
+        except Exception as abort_error:
+            logger.error("[RDT] aborting the engine's update session failed: %s", abort_error)
+            e.add_note(f"aborting the engine's update session failed too: {abort_error}")
+
+    def _stats(self, t0: float) -> UpdateStats:
+        transfer = time.perf_counter() - (self.t_first or t0) - self.end_seconds
+        return UpdateStats(
+            version=self.version, tensors=self.tensors, bytes=self.payload_bytes,
+            bytes_moved=self.moved_bytes, ranks=len(self.client.ranks), buckets=self.steps_done,
+            seconds=time.perf_counter() - t0, transfer_seconds=transfer,
+            begin_seconds=self.begin_seconds, end_seconds=self.end_seconds,
+            gbps=self.payload_bytes / transfer / 1e9 if transfer > 0 else 0.0,
+            path="direct" if self.route.direct else "buckets",
+            transport=",".join(self.paths) or "none", lane_calls=self.lane_calls,
+            held_bytes=self.max_held,
+        )
+
+
+def _in_place(group: buckets.Group, device: torch.device) -> None:
+    """``group``'s tensors as the ranks can read them where they are:
+    contiguous (a copy of a tensor that is not), on the client's device."""
+    index = device.index if device.type == "cuda" else -1  # get_device(): -1 on the CPU
+    for i, t in enumerate(group.tensors):
+        if t.get_device() != index:
+            raise WeightSyncError(
+                f"{group.names[i]!r} is on {t.device}, the client's device is {device}: build the "
+                f"client with device={str(t.device)!r}, or export='buckets' to copy it")
+        if not t.is_contiguous():
+            group.tensors[i] = t.contiguous()

@@ -1,0 +1,153 @@
+"""Tables from ``bench_pull.py --json-out`` results (stdout, or Markdown for docs).
+
+    python benchmark/rdt_weight_sync/report.py results.json [--markdown]
+
+Every ratio is to the run's own ceiling: the one-tensor device copy of the
+same bytes (``stable``/``fresh``, the peers and miles' loop), or the same
+generator consumed in-process by a ``copy_`` loop (``stream``). Targets are
+those of docs/performance.md (met / not met).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import Any, Dict, List, Optional
+
+GiB, MiB = 2**30, 2**20
+
+
+def _steady(updates: List[Dict[str, Any]]) -> List[float]:
+    return [u["seconds"] for u in updates[1:]] or [u["seconds"] for u in updates]
+
+
+def client_row(name: str, res: Dict[str, Any], ceiling_s: float, bucket_bytes: int) -> Dict[str, Any]:
+    ups = res["updates"]
+    steady = _steady(ups)
+    med = statistics.median(steady)
+    last = ups[-1]
+    return {
+        "mode": name, "path": last.get("path"), "transport": last.get("transport"),
+        "median_ms": med * 1e3, "ratio": ceiling_s / med if med else 0.0,
+        "first_over_median": ups[0]["seconds"] / med if med else 0.0,
+        "worst_over_median": max(steady) / med if med else 0.0,  # slowest update's time / median
+        "peak_extra_mib": max(u["peak_extra_bytes"] for u in ups[1:] or ups) / MiB,
+        "held_after_mib": max(u["held_after_bytes"] for u in ups) / MiB,
+        "slot_mib": res.get("slot_bytes", 0) / MiB,
+        "bound_mib": 2 * bucket_bytes / MiB,
+        "bytes_ok": all(u["check"]["ok"] for u in ups), "updates": len(ups),
+    }
+
+
+def simple_row(name: str, res: Dict[str, Any], ceiling_s: float) -> Dict[str, Any]:
+    med = statistics.median(_steady(res["updates"]))
+    return {"mode": name, "median_ms": med * 1e3, "ratio": ceiling_s / med if med else 0.0,
+            "bytes_ok": all(u["check"]["ok"] for u in res["updates"])}
+
+
+def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
+    out = {}
+    bucket_bytes = results["meta"]["bucket_bytes"]
+    for wname, w in results["workloads"].items():
+        ceil = w.get("ceiling", {}).get("one_tensor", {}).get("seconds")
+        stream_ceil = w.get("stream_ceiling", {}).get("seconds")
+        rows, others = [], []
+        for key, res in (w.get("client") or {}).items():
+            base = stream_ceil if key.startswith("stream") else ceil
+            if base and res.get("updates"):
+                rows.append(client_row(key, res, base, bucket_bytes))
+        for key, res in (w.get("peer") or {}).items():
+            if ceil and res.get("updates"):
+                others.append(simple_row(f"peer: torch CUDA IPC, {key.replace('_', ' ')}", res, ceil))
+        if w.get("miles", {}).get("updates") and ceil:
+            others.append(simple_row("miles' loop (one bucket, put + pull per bucket)", w["miles"], ceil))
+        out[wname] = {"info": w.get("info", {}), "client": rows, "others": others,
+                      "ceiling": w.get("ceiling", {}), "stream_ceiling": w.get("stream_ceiling"),
+                      "errors": w.get("errors", {})}
+    return out
+
+
+def targets(summary: Dict[str, Any]) -> List[str]:
+    """The same-GPU targets, each marked met or not met."""
+    lines = []
+    for wname, s in summary.items():
+        best_peer = max((r["ratio"] for r in s["others"] if r["mode"].startswith("peer")), default=None)
+        for r in s["client"]:
+            if r["mode"] not in ("stable", "fresh", "stream"):
+                continue
+            want = 0.7 if (r["mode"] == "stable" and wname == "moe") else (0.6 if r["mode"] != "stable" else None)
+            checks = []
+            if want is not None:
+                checks.append((f"{r['ratio']:.2f}x >= {want}x", r["ratio"] >= want))
+            if best_peer and r["mode"] != "stable":
+                checks.append((f"{r['ratio'] / best_peer:.2f}x the best peer >= 1.7x", r["ratio"] >= 1.7 * best_peer))
+            checks.append((f"first {r['first_over_median']:.2f}x median <= 1.5x", r["first_over_median"] <= 1.5))
+            checks.append((f"slowest {r['worst_over_median']:.2f}x median <= 1.25x",
+                           r["worst_over_median"] <= 1.25))
+            held_ok = r["held_after_mib"] <= r["slot_mib"] + 1
+            checks.append((f"held after {r['held_after_mib']:.0f} MiB (slots {r['slot_mib']:.0f})", held_ok))
+            bound = r["bound_mib"] + s["info"].get("largest_tensor_bytes", 0) / MiB  # two groups + the one being made
+            peak_ok = r["peak_extra_mib"] <= (bound if r["mode"] == "stream" else 64)
+            checks.append((f"peak extra {r['peak_extra_mib']:.0f} MiB", peak_ok))
+            for text, ok in checks:
+                lines.append(f"{wname} {r['mode']}: {text}: {'met' if ok else 'NOT met'}")
+    return lines
+
+
+def markdown(summary: Dict[str, Any], meta: Dict[str, Any]) -> str:
+    out = []
+    for wname, s in summary.items():
+        info, ceil = s["info"], s["ceiling"].get("one_tensor", {})
+        gbps = info.get("bytes", 0) / ceil["seconds"] / 1e9 if ceil.get("seconds") else 0
+        out.append(f"#### {wname}: {info.get('tensors')} tensors, {info.get('bytes', 0) / GiB:.2f} GiB "
+                   f"({info.get('dtype')}); one-tensor copy {gbps:.0f} GB/s")
+        out.append("")
+        out.append("| trainer | path | whole update | ratio | first / median | slowest / median | "
+                   "peak extra | held after | bytes |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for r in s["client"]:
+            out.append(f"| {r['mode']} | {r['path']} ({r['transport']}) | {r['median_ms']:.1f} ms | "
+                       f"**{r['ratio']:.2f}x** | {r['first_over_median']:.2f} | {r['worst_over_median']:.2f} | "
+                       f"{r['peak_extra_mib']:.0f} MiB | {r['held_after_mib']:.0f} MiB"
+                       f"{' (slots)' if r['slot_mib'] else ''} | {'ok' if r['bytes_ok'] else 'FAIL'} |")
+        for r in s["others"]:
+            out.append(f"| {r['mode']} | | {r['median_ms']:.1f} ms | {r['ratio']:.2f}x | | | | | "
+                       f"{'ok' if r['bytes_ok'] else 'FAIL'} |")
+        rows = [(k, v) for k, v in s["ceiling"].items() if isinstance(v, dict) and "seconds" in v]
+        if rows:
+            out.append("")
+            out.append("Copies in one process: " + "; ".join(
+                f"{v['label']} {info.get('bytes', 0) / v['seconds'] / 1e9:.0f} GB/s" for _, v in rows))
+        if s.get("stream_ceiling"):
+            out.append(f"Stream ceiling (the generator + a copy_ loop in-process): "
+                       f"{s['stream_ceiling']['seconds'] * 1e3:.1f} ms")
+        for k, v in s["errors"].items():
+            out.append(f"ERROR {k}: {v}")
+        out.append("")
+    return "\n".join(out)
+
+
+def byte_check(results: Dict[str, Any]) -> bool:
+    ok = True
+    for w in results["workloads"].values():
+        for section in ("client", "peer"):
+            for res in (w.get(section) or {}).values():
+                ok &= all(u["check"]["ok"] for u in res.get("updates", []))
+        ok &= all(u["check"]["ok"] for u in (w.get("miles") or {}).get("updates", []))
+        ok &= all(v.get("bytes_ok", True) for v in (w.get("ceiling") or {}).values() if isinstance(v, dict))
+    return ok
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    results = json.load(open(argv[0]))
+    summary = summarize(results)
+    print(markdown(summary, results["meta"]))
+    for line in targets(summary):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The benchmark's trainer: what trainers send, three ways, through the product's client.
+
+Trainer modes (``--modes``):
+
+* ``stable`` — the same tensors every update, refilled in place (allocated
+  once in the client's staging pool, as the client's docs tell a trainer with
+  persistent send buffers to do);
+* ``fresh`` — new tensors with the same contents every update, made right
+  before the call inside ``client.staging()`` (a gather/convert step);
+  ``fresh-outside`` makes them outside the pool (a trainer that ignores it);
+* ``stream`` — a generator that makes each tensor as it is consumed and drops
+  it after, passed to ``update()`` (a gather loop under memory pressure).
+
+Every update: the trainer's source tensors hold the round's pattern, the rank
+poisons its parameters first and checks every byte after. Per update the
+trainer records the whole ``update()`` time, the client's own figures, the
+peak of this process's allocated memory during the call beyond what was
+allocated right before it, and what is still allocated once the caller
+dropped its tensors (beyond what was allocated before it made them).
+
+The peer rows (``peer``): the same new tensors shared with PyTorch's own CUDA
+IPC (``torch.multiprocessing``'s reductions: what sglang's
+``update_weights_from_tensor`` rides on), per tensor or flattened into
+buckets, copied into the rank's parameters in its process.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Any, Dict, List
+
+import ray
+import torch
+
+from patterns import Pattern
+
+GB = 1e9
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class BenchTrainer:
+    def __init__(self, specs, device_kind: str):
+        if device_kind == "cuda":
+            self.device = torch.device("cuda", int(ray.get_gpu_ids()[0]))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(1)
+        self.names = [n for n, _, _ in specs]
+        self.base = [torch.empty(s, dtype=d, device=self.device) for _, s, d in specs]
+        self.pattern = Pattern(self.base)
+        self.nbytes = sum(t.nbytes for t in self.base)
+        self._stable: List[torch.Tensor] = []
+
+    # -- memory -------------------------------------------------------------- #
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def _reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # -- what a trainer hands over --------------------------------------------- #
+    def _tensors(self, client, mode: str):
+        if mode == "stable":
+            if not self._stable:
+                with client.staging():
+                    self._stable = [t.clone() for t in self.base]
+            for s, t in zip(self._stable, self.base):
+                s.copy_(t)
+            return dict(zip(self.names, self._stable))
+        if mode == "fresh":
+            with client.staging():
+                return {n: t.clone() for n, t in zip(self.names, self.base)}
+        if mode == "fresh-outside":
+            return {n: t.clone() for n, t in zip(self.names, self.base)}
+        if mode == "stream":
+            return ((n, t.clone()) for n, t in zip(self.names, self.base))
+        raise ValueError(f"unknown trainer mode {mode!r}")
+
+    # -- the product's client ---------------------------------------------------- #
+    def client_run(self, rank, mode: str, opts: Dict[str, Any], rounds: int, seed0: int):
+        from sglang.srt.ray.rdt import WeightSyncClient
+
+        client = WeightSyncClient([rank], names=["bench-rank"], sender="local", device=str(self.device),
+                                  **opts)
+        try:
+            t0 = time.perf_counter()
+            client.register(None if mode == "stream" else self._tensors(client, mode))
+            register_s = time.perf_counter() - t0
+            gc.collect()
+            out = [self._one_update(client, rank, mode, seed0 + r) for r in range(rounds)]
+            route = client.route()
+            return {"register_seconds": register_s, "updates": out,
+                    "route": {"direct": route.direct, "lanes": len(route.lanes),
+                              "why_not_direct": route.why_not_direct},
+                    "slot_bytes": 2 * client.sender.slot_bytes}
+        finally:
+            client.close()
+            self._stable = []
+
+    def _one_update(self, client, rank, mode: str, seed: int) -> Dict[str, Any]:
+        self.pattern.fill(self.base, seed)
+        self._sync()
+        ray.get(rank.poison.remote(seed))
+        baseline = self._allocated()
+        named = self._tensors(client, mode)
+        self._sync()
+        before = self._allocated()
+        self._reset_peak()
+        t0 = time.perf_counter()
+        stats = client.update(named, version=f"s{seed}")
+        seconds = time.perf_counter() - t0
+        peak = self._peak() - before
+        del named
+        stable = sum(t.nbytes for t in self._stable) if mode == "stable" and self.device.type == "cuda" else 0
+        held = self._allocated() - baseline - stable
+        d = stats.as_dict()
+        steps = d.pop("buckets")
+        return {"seconds": seconds, "peak_extra_bytes": peak, "held_after_bytes": held,
+                "steps": len(steps), "fill_seconds": sum(s["fill_seconds"] for s in steps),
+                "pull_seconds": sum(s["pull_seconds"] for s in steps),
+                **{k: d[k] for k in ("path", "transport", "lane_calls", "held_bytes", "begin_seconds",
+                                     "end_seconds", "bytes", "tensors")},
+                "check": ray.get(rank.verify.remote(seed))}
+
+    # -- ceilings in this process ------------------------------------------------- #
+    def stream_ceiling(self, reps: int) -> Dict[str, Any]:
+        """The stream's generator consumed here by a plain ``copy_`` loop."""
+        dst = [torch.empty_like(t) for t in self.base]
+        times = []
+        for _ in range(reps + 1):
+            self._sync()
+            t0 = time.perf_counter()
+            for d, (_, t) in zip(dst, ((n, t.clone()) for n, t in zip(self.names, self.base))):
+                d.copy_(t)
+            self._sync()
+            times.append(time.perf_counter() - t0)
+        del dst
+        return {"seconds": sorted(times[1:])[len(times[1:]) // 2], "all": times[1:]}
+
+    # -- the peer path ------------------------------------------------------------ #
+    def peer_run(self, rank, kind: str, bucket_bytes: int, rounds: int, seed0: int):
+        """New tensors every update shared through PyTorch's CUDA IPC and
+        copied into the rank's parameters: ``per_tensor`` or ``buckets``."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        out = []
+        for r in range(rounds):
+            seed = seed0 + r
+            self.pattern.fill(self.base, seed)
+            ray.get(rank.poison.remote(seed))
+            fresh = [t.clone() for t in self.base]
+            self._sync()
+            t0 = time.perf_counter()
+            if kind == "per_tensor":
+                ray.get(rank.peer_copy.remote([reduce_tensor(t) for t in fresh], self.names))
+            else:
+                for names, tensors in _by_bytes(self.names, fresh, bucket_bytes):
+                    offsets, at = [], 0
+                    for t in tensors:
+                        offsets.append(at)
+                        at += t.nbytes
+                    bucket = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+                    self._sync()
+                    ray.get(rank.peer_copy_bucket.remote(reduce_tensor(bucket), names, offsets))
+                    del bucket
+            ray.get(rank.finalize_weight_update.remote(f"p{seed}"))
+            seconds = time.perf_counter() - t0
+            del fresh
+            out.append({"seconds": seconds, "check": ray.get(rank.verify.remote(seed))})
+        return {"updates": out}
+
+    def miles_run(self, rank, transport: str, bucket_bytes: int, rounds: int, seed0: int):
+        """miles' trainer loop by hand, with new tensors every update: one
+        registered bucket buffer; per bucket stage the tensors into it, put
+        its views, pull_weights, wait; then finalize."""
+        from ray.experimental import register_nixl_memory
+
+        from sglang.srt.ray.rdt.transport import sglang_ipc
+
+        sglang_ipc.register()
+        groups = list(_by_bytes(self.names, self.base, bucket_bytes))
+        buf = torch.empty(max(sum(t.nbytes for t in ts) for _, ts in groups), dtype=torch.uint8,
+                          device=self.device)
+        register_nixl_memory(buf)
+        out = []
+        for r in range(rounds):
+            seed = seed0 + r
+            self.pattern.fill(self.base, seed)
+            ray.get(rank.poison.remote(seed))
+            fresh = dict(zip(self.names, [t.clone() for t in self.base]))
+            self._sync()
+            t0 = time.perf_counter()
+            for names, _ in groups:
+                views, at = [], 0
+                for n in names:
+                    t = fresh[n]
+                    v = buf[at:at + t.nbytes].view(t.dtype).view(t.shape)
+                    v.copy_(t)
+                    views.append(v)
+                    at += t.nbytes
+                self._sync()
+                ref = ray.put(views, _tensor_transport=transport)
+                ray.get(rank.pull_weights.remote([ref], names))
+                del ref
+            ray.get(rank.finalize_weight_update.remote(f"m{seed}"))
+            seconds = time.perf_counter() - t0
+            del fresh
+            out.append({"seconds": seconds, "check": ray.get(rank.verify.remote(seed))})
+        return {"updates": out}
+
+
+def _by_bytes(names, tensors, bucket_bytes: int):
+    """``(names, tensors)`` groups of at most ``bucket_bytes`` (order kept)."""
+    cur_n, cur_t, size = [], [], 0
+    for n, t in zip(names, tensors):
+        if cur_n and size + t.nbytes > bucket_bytes:
+            yield cur_n, cur_t
+            cur_n, cur_t, size = [], [], 0
+        cur_n.append(n)
+        cur_t.append(t)
+        size += t.nbytes
+    if cur_n:
+        yield cur_n, cur_t

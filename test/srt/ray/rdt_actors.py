@@ -1,8 +1,9 @@
-"""Plain Ray actors around the receiver and a trainer, for tests and demos.
+"""Ray actors for tests and demos: a rank and a trainer.
 
-``ToyRank`` holds a small torch model and an :class:`RdtWeightReceiver`, exactly
-as a SchedulerActor does, without sglang around it. ``ToyTrainer`` puts buckets
-over NIXL (or ``SGLANG_IPC``, the same-node path) and keeps them alive until
+``ToyRank`` is the product's standalone rank (``StandaloneRank``: the
+SchedulerActor's weight-sync API over the rank core) around a small torch
+model, plus what tests need to look inside. ``ToyTrainer`` puts buckets over
+NIXL (or ``SGLANG_IPC``, the same-node transport) and keeps them alive until
 told to drop them.
 """
 
@@ -17,6 +18,8 @@ from typing import Dict, List, Optional
 
 import ray
 import torch
+
+from sglang.srt.ray.rdt.engine.standalone import StandaloneRank
 
 
 def checksum(tensors: Dict[str, torch.Tensor]) -> Dict[str, str]:
@@ -58,18 +61,17 @@ def toy_model(seed: int = 0, width: int = 64) -> torch.nn.Module:
     )
 
 
-@ray.remote(num_cpus=0, max_concurrency=4, enable_tensor_transport=True)
-class ToyRank:
-    def __init__(self, seed: int = 0, width: int = 64, pull_timeout_s: float = 30.0):
-        from sglang.srt.ray.rdt.transport import sglang_ipc
+class ToyRankBase(StandaloneRank):
+    """The product's standalone rank (the SchedulerActor's weight-sync API over
+    the rank core) around a toy model, with what tests need to look inside."""
 
-        sglang_ipc.register()  # as the SchedulerActor does
-        self.receiver = None
-        self.reset(seed, width, pull_timeout_s)
+    def __init__(self, seed: int = 0, width: int = 64, pull_timeout_s: float = 30.0):
+        self._init(toy_model(seed, width), pull_timeout_s)
+
+    def _init(self, model, pull_timeout_s: float) -> None:
+        StandaloneRank.__init__(self, model, pull_timeout_s=pull_timeout_s, rank="toy")
 
     def set_env(self, key: str, value):
-        import os
-
         if value is None:
             os.environ.pop(key, None)
         else:
@@ -77,15 +79,10 @@ class ToyRank:
         return True
 
     def reset(self, seed: int = 0, width: int = 64, pull_timeout_s: float = 30.0, model=None):
-        """A fresh model and receiver (importing sglang once per actor is slow)."""
-        from sglang.srt.ray.rdt.engine.receiver import RdtWeightReceiver
-
-        if self.receiver is not None:
-            self.receiver.close()
-        self.model = model if model is not None else toy_model(seed, width)
-        self.receiver = RdtWeightReceiver(
-            lambda: dict(self.model.named_parameters()), pull_timeout_s=pull_timeout_s
-        )
+        """A fresh model and rank core (importing sglang once per actor is slow)."""
+        self._rdt_sync.shutdown()
+        self._rdt_sync.loop.stop()
+        self._init(model if model is not None else toy_model(seed, width), pull_timeout_s)
         return True
 
     def reset_big(self, n: int, numel: int, pull_timeout_s: float = 20.0):
@@ -94,20 +91,8 @@ class ToyRank:
         )
         return self.reset(pull_timeout_s=pull_timeout_s, model=model)
 
-    def register(self):
-        return self.receiver.register()
-
     def deregister(self):
-        return self.receiver.deregister()
-
-    def set_reader_max_kept(self, n: int):
-        from sglang.srt.ray.rdt.transport import nixl_reader
-
-        old, nixl_reader.reader().max_kept = nixl_reader.reader().max_kept, n
-        return old
-
-    def pull(self, refs, names, timeout_s=None):
-        return self.receiver.pull(refs, names, timeout_s)
+        return self._rdt_sync.receiver.deregister()
 
     def state(self) -> Dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -118,9 +103,6 @@ class ToyRank:
     def pointers(self):
         return {n: p.data_ptr() for n, p in self.model.named_parameters()}
 
-    def status(self):
-        return self.receiver.status()
-
     def reallocate(self, name: str):
         """Give parameter ``name`` new storage (as post-load processing may)."""
         p = dict(self.model.named_parameters())[name]
@@ -128,7 +110,7 @@ class ToyRank:
         return p.data_ptr()
 
     def registered_ptrs(self):
-        book = self.receiver._registration.book
+        book = self._rdt_sync.receiver._registration.book
         return sorted(k[1] for k in book._entries) if book is not None else []
 
     def make_noncontiguous(self, name: str):
@@ -138,25 +120,15 @@ class ToyRank:
 
     def pull_with_targets_dropped(self, refs, names):
         """Simulate Ray losing the (weakly held) targets: it then fetches into
-        buffers of its own. The receiver must notice and fail loudly. (Reads
-        go through ray.get here: SGLANG_RDT_DIRECT_FETCH=0; a direct read
-        has no weak references to lose.)"""
+        buffers of its own. The rank must notice and fail loudly."""
         import ray.experimental as rx
 
         real = rx.set_target_for_ref
         rx.set_target_for_ref = lambda ref, targets: None
-        os.environ["SGLANG_RDT_DIRECT_FETCH"] = "0"
         try:
-            return self.receiver.pull(refs, names)
+            return self.pull_weights(refs, names)
         finally:
             rx.set_target_for_ref = real
-            del os.environ["SGLANG_RDT_DIRECT_FETCH"]
-
-    def finalize(self):
-        """End the update as the rank core does (state, then the receiver)."""
-        self.receiver.state.end()
-        self.receiver.end_of_update()
-        return self.receiver.status()
 
     def gc_enabled(self) -> bool:
         import gc
@@ -228,14 +200,17 @@ class ToyRank:
         return record
 
 
+ToyRank = ray.remote(num_cpus=0, max_concurrency=4, enable_tensor_transport=True)(ToyRankBase)
+
+
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
 class ToyTrainer:
     def __init__(self, transport: str = "nixl"):
-        # What a trainer that puts with NIXL itself does once (docs): keep the
-        # NIXL progress thread of this process from spinning a core.
-        from sglang.srt.ray.rdt.transport.nixl_progress import configure_nixl_progress_thread
+        # What a trainer that puts with NIXL itself does once (docs): its NIXL
+        # progress thread at idle priority.
+        from sglang.srt.ray.rdt import start_nixl_agent
 
-        configure_nixl_progress_thread()
+        start_nixl_agent()
         self.buckets: List[List[torch.Tensor]] = []
         self.transport = transport
         if transport == "SGLANG_IPC":
@@ -266,56 +241,4 @@ class ToyTrainer:
     def pid(self):
         import os
 
-        return os.getpid()
-
-
-@ray.remote(num_cpus=0, enable_tensor_transport=True)
-class BucketTrainer:
-    """Puts views of one NIXL-registered buffer, as miles' trainer does with
-    its bucket: every update's refs describe the same sender memory."""
-
-    def __init__(self, nbytes: int = 1 << 16):
-        from sglang.srt.ray.rdt.transport.nixl_progress import configure_nixl_progress_thread
-
-        configure_nixl_progress_thread()
-        self.nbytes = nbytes
-        self.buf = torch.zeros(nbytes, dtype=torch.uint8)
-        ray.experimental.register_nixl_memory(self.buf)
-
-    def put(self, tensors: List[torch.Tensor], offset: int = 0):
-        """Copy ``tensors`` into the buffer back to back (from byte
-        ``offset``) and put the views."""
-        views = []
-        for t in tensors:
-            view = self.buf[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            views.append(view)
-            offset += t.nbytes
-        return [ray.put(views, _tensor_transport="nixl")]
-
-    def new_buffer(self):
-        """Deregister the buffer and register a fresh one (the sender's NIXL
-        metadata version moves on). Returns whether the address changed."""
-        old = self.buf.data_ptr()
-        ray.experimental.deregister_nixl_memory(self.buf)
-        self.buf = torch.zeros(self.nbytes, dtype=torch.uint8)
-        ray.experimental.register_nixl_memory(self.buf)
-        return self.buf.data_ptr() != old
-
-    def bump_version(self):
-        """Register and deregister a scratch tensor: the sender's NIXL
-        metadata version moves on while the buffer stays registered."""
-        scratch = torch.zeros(4096, dtype=torch.uint8)
-        ray.experimental.register_nixl_memory(scratch)
-        ray.experimental.deregister_nixl_memory(scratch)
-        return True
-
-    def notifications(self) -> int:
-        """NIXL notifications this process's agent received since the last call."""
-        from ray.experimental.rdt.util import get_tensor_transport_manager
-
-        agent = get_tensor_transport_manager("NIXL").get_nixl_agent()
-        return sum(len(v) for v in agent.get_new_notifs().values())
-
-    def pid(self):
         return os.getpid()

@@ -258,29 +258,6 @@ class SenderLink:
             self.slot_bytes = 0
 
 
-def release_rank_mappings(self, ranks) -> None:
-        """Every rank closes its kept mappings of the sender's slots (best effort)."""
-        if self.sender is None or not self.device.startswith("cuda"):
-            return
-        release_rank_mappings(ranks, self.call("sender_token"), self.call_timeout_s, "the bucket slots")
-
-    def close(self, ranks) -> None:
-        """Free the slots and the sender actor, if the client made them."""
-        import ray
-
-        if self.sender is None:
-            return
-        if self.owned:
-            try:
-                self.release_rank_mappings(ranks)
-                self.call("close")
-            finally:
-                if not self.local:
-                    ray.kill(self.sender)
-        self.sender = None
-        self.slot_bytes = 0
-
-
 def release_rank_mappings(ranks, token: str, timeout_s: float, what: str) -> None:
     """Every rank closes its kept CUDA IPC mappings of sender ``token``'s
     memory, before that memory is freed. Best effort per rank: a rank that

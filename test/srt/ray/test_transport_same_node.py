@@ -1,27 +1,70 @@
-"""The same-node transport's pure parts: CMA reads, copy planning, the mapping cache (rdt/transport/)."""
+"""The same-node transport without a GPU (rdt/transport/cma.py, cuda_ipc.py, cuda_driver.py).
+
+CPU tensors are read out of another process with ``process_vm_readv``: for
+real, from a child interpreter. The CUDA IPC logic — which segments a sender
+exports and when it asks the driver again, which mappings a reader opens,
+keeps and closes — runs against :class:`FakeCuda`, a stand-in for the driver
+whose "GPU memory" is host memory: a segment is a CPU buffer, its handle
+names it, and opening the handle maps it at its own address, so every read
+moves real bytes that the tests compare.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import itertools
+import os
+import struct
+import subprocess
+import sys
+import types
+from collections import Counter
 
+import numpy as np
 import pytest
 import torch
+
+from sglang.srt.ray.rdt.transport import cma, cuda_driver, cuda_ipc
+from sglang.srt.ray.rdt.transport.cma import (
+    CmaError,
+    CmaPath,
+    CmaReader,
+    merge_copies,
+    process_start_time,
+    split_copies,
+)
+from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, chunk_table
+from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader, Targets
+from sglang.srt.ray.rdt.transport.metadata import CmaPart, IpcPart, MappingFailed
+
+MiB = 1 << 20
 
 
 # --------------------------------------------------------------------------- #
 # Cross-memory attach (the CPU half of the same-node path)
 # --------------------------------------------------------------------------- #
-def test_cma_split_keeps_order_and_bytes():
-    from sglang.srt.ray.rdt.transport.cma import split_copies
-
-    copies = [(1000, 5000, 3 << 20), (9000, 70000, 1 << 20)]
+def test_split_copies_balances_bytes_keeps_order_and_cuts_only_large_copies():
+    copies = [(1000, 5000, 3 * MiB), (9000, 70000, 1 * MiB)]
     parts = split_copies(copies, 2)
-    assert len(parts) == 2
-    assert [sum(c[2] for c in p) for p in parts] == [2 << 20, 2 << 20]
-    flat = [c for p in parts for c in p]
+    assert [sum(c[2] for c in p) for p in parts] == [2 * MiB, 2 * MiB]
     # contiguous pieces, in order, covering every byte once
-    assert flat[0] == (1000, 5000, 2 << 20) and flat[1] == (1000 + (2 << 20), 5000 + (2 << 20), 1 << 20)
-    assert flat[2] == (9000, 70000, 1 << 20)
+    assert parts == [[(1000, 5000, 2 * MiB)],
+                     [(1000 + 2 * MiB, 5000 + 2 * MiB, MiB), (9000, 70000, MiB)]]
     assert split_copies([(0, 0, 100)], 4) == [[(0, 0, 100)]]  # small: one part
+    # no part smaller than min_bytes: 3 MiB in parts of at least 1 MiB
+    assert len(split_copies([(0, 0, 3 * MiB)], 8)) == 3
+    assert split_copies([], 4) == []
+
+
+def test_merge_copies_joins_only_copies_that_continue_on_both_sides():
+    dst = [1000, 1010, 1016, 2000, 2000]
+    src = [5000, 5010, 6000, 6004, 6004]
+    nbytes = [10, 6, 4, 0, 8]
+    # the first two continue each other; the third jumps on the source side;
+    # the empty one vanishes; the last continues the third only on the source side
+    assert merge_copies(dst, src, nbytes) == [(1000, 5000, 16), (1016, 6000, 4), (2000, 6004, 8)]
+    assert merge_copies([], [], []) == []
 
 
 # A fresh interpreter, not a fork: forking a process that holds a Ray driver
@@ -36,42 +79,83 @@ sys.stdin.readline()
 """
 
 
-def test_cma_reads_another_process_and_reports_faults():
-    import errno
-    import subprocess
-    import sys
-
-    from sglang.srt.ray.rdt.transport.cma import CmaError, CmaReader, process_start_time
-
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+@pytest.fixture
+def child_buffer():
+    """(pid, address, nbytes) of 3 MiB of float32 0, 1, 2, ... in a live child process."""
+    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
     try:
         pid, addr, nbytes = map(int, child.stdout.readline().split())
-        start = process_start_time(pid)
-        assert start is not None and start == process_start_time(pid)
-        reader = CmaReader(threads=2)
-        assert reader.probe(pid, addr) is None
-        dst = torch.zeros(nbytes // 4)
-        half = nbytes // 2
-        assert reader.read(pid, [(dst.data_ptr(), addr, half), (dst.data_ptr() + half, addr + half, nbytes - half)]) == nbytes
-        assert torch.equal(dst, torch.arange(3 * 2**18, dtype=torch.float32))
-        with pytest.raises(CmaError) as e:  # an address the sender never mapped
-            reader.read(pid, [(dst.data_ptr(), 8, 16)])
-        assert e.value.errno == errno.EFAULT and "not mapped in the sender" in str(e.value)
-        reader.close()
+        yield types.SimpleNamespace(pid=pid, addr=addr, nbytes=nbytes, proc=child)
     finally:
-        child.communicate("\n", timeout=30)
-    assert process_start_time(pid) is None or process_start_time(pid) != start
-    why = CmaReader(threads=1).probe(pid, addr)
+        if child.poll() is None:
+            child.communicate("\n", timeout=30)
+
+
+def _expected_floats(nbytes):
+    return torch.arange(nbytes // 4, dtype=torch.float32)
+
+
+def test_cma_reads_another_process_and_reports_faults(child_buffer):
+    c = child_buffer
+    start = process_start_time(c.pid)
+    assert start is not None and start == process_start_time(c.pid)
+    reader = CmaReader(threads=2)
+    assert reader.probe(c.pid, c.addr) is None
+    dst = torch.zeros(c.nbytes // 4)
+    half = c.nbytes // 2
+    copies = [(dst.data_ptr(), c.addr, half), (dst.data_ptr() + half, c.addr + half, c.nbytes - half)]
+    assert reader.read(c.pid, copies) == c.nbytes
+    assert torch.equal(dst, _expected_floats(c.nbytes))
+    with pytest.raises(CmaError) as e:  # an address the sender never mapped
+        reader.read(c.pid, [(dst.data_ptr(), 8, 16)])
+    assert e.value.errno == errno.EFAULT and "not mapped in the sender" in str(e.value)
+    reader.close()
+    c.proc.communicate("\n", timeout=30)
+    assert process_start_time(c.pid) is None or process_start_time(c.pid) != start
+    why = CmaReader(threads=1).probe(c.pid, c.addr)
     assert why is not None and "ESRCH" in why
 
 
+def test_cma_path_reads_a_part_into_targets_and_says_when_it_cannot(child_buffer, monkeypatch):
+    c = child_buffer
+    n = c.nbytes // 4
+    part = CmaPart(node_id="node-a", sender="child", pid=c.pid, start_time=process_start_time(c.pid),
+                   address=np.array([c.addr, c.addr + 4 * (n // 3)], np.int64),
+                   nbytes=np.array([4 * (n // 3), 4 * (n - n // 3)], np.int64))
+    path = CmaPath()
+    cpu = torch.device("cpu")
+    assert path.unusable(part, cpu, "node-a") is None
+    assert path.unusable(part, cpu, "node-b") == "the sender is on another node"
+    assert path.unusable(part, torch.device("cuda", 0), "node-a") == "target buffers on cuda:0"
+    monkeypatch.setenv("SGLANG_RDT_CMA", "0")
+    assert path.unusable(part, cpu, "node-a") == "SGLANG_RDT_CMA=0"
+    monkeypatch.delenv("SGLANG_RDT_CMA")
+
+    dst = torch.zeros(n)
+    targets = Targets.of([dst[: n // 3], dst[n // 3:]])
+    res = path.read(part, targets)
+    assert (res.path, res.method, res.tensors, res.bytes) == ("cma", "process_vm_readv", 2, c.nbytes)
+    assert torch.equal(dst, _expected_floats(c.nbytes))
+
+    # Sizes that do not fit are refused before anything is read.
+    with pytest.raises(ValueError, match="target buffer 1 holds"):
+        path.read(part, Targets.of([dst[: n // 3], dst[n // 3: -1]]))
+
+    # A read the kernel refuses is found by the probe before a byte is
+    # written, and the sender is left to NIXL from then on.
+    bad = CmaPart(**{**part.__dict__, "address": np.array([8, 8 + part.nbytes[0]], np.int64)})
+    before = dst.clone()
+    with pytest.raises(MappingFailed, match="EFAULT"):
+        path.read(bad, targets)
+    assert torch.equal(dst, before)
+    assert "EFAULT" in path.unusable(part, cpu, "node-a")
+
+    c.proc.communicate("\n", timeout=30)
+    assert "has exited" in CmaPath().unusable(part, cpu, "node-a")
+
+
 def test_cma_resumes_after_partial_reads(monkeypatch):
-    import ctypes
-
-    from sglang.srt.ray.rdt.transport import cma
-
     src = (ctypes.c_ubyte * 64)(*range(64))
     dst = (ctypes.c_ubyte * 64)()
     calls = []
@@ -95,125 +179,492 @@ def test_cma_resumes_after_partial_reads(monkeypatch):
     base_d, base_s = ctypes.addressof(dst), ctypes.addressof(src)
     copies = [(base_d, base_s, 25), (base_d + 25, base_s + 25, 14), (base_d + 39, base_s + 39, 25)]
     assert cma._read_all(1, copies) == 64
-    assert bytes(dst) == bytes(range(64)) and len(calls) == 7
+    assert bytes(dst) == bytes(range(64)) and calls == [10] * 6 + [4]
 
 
-class FakeDriver:
-    """The driver calls the mapping cache makes when it closes a mapping."""
+def test_cma_read_that_makes_no_progress_fails_instead_of_looping(monkeypatch):
+    monkeypatch.setattr(cma, "_readv", lambda: lambda *a: 0)
+    with pytest.raises(CmaError, match="no progress after 0 bytes"):
+        cma._read_all(1, [(1000, 2000, 64)])
 
-    def __init__(self, closed):
-        self.closed = closed
 
+# --------------------------------------------------------------------------- #
+# CUDA IPC against a fake driver
+# --------------------------------------------------------------------------- #
+class FakeCuda:
+    """The driver calls of ``cuda_ipc``, over host memory.
+
+    A segment is a CPU byte tensor (its address is the segment's base) with
+    an allocation id; its IPC handle packs (base, id). Opening a handle maps
+    the segment at its own address (this is one process), refused when the
+    segment was freed since or when the test says so. Copies move real bytes.
+    ``calls`` counts every call, ``events`` records the order of the reader's.
+    """
+
+    def __init__(self):
+        self.segments = {}  # base -> [size, allocation id, storage]
+        self.ids = itertools.count(1)
+        self.calls = Counter()
+        self.asked = Counter()  # base -> buffer_id calls
+        self.events = []
+        self.contexts = []  # ordinals pushed and not popped
+        self.refuse = set()  # handles ipc_open refuses
+        self.open = {}  # ptr -> handle of the mappings open now
+        self.copy_error = None  # raised by the next copy
+
+    # memory
+    def alloc(self, nbytes):
+        storage = torch.zeros(nbytes, dtype=torch.uint8)
+        self.segments[storage.data_ptr()] = [nbytes, next(self.ids), storage]
+        return storage
+
+    def reallocate(self, storage):
+        """Free ``storage``'s segment and allocate one of the same size at
+        the same address: a new allocation id."""
+        self.segments[storage.data_ptr()][1] = next(self.ids)
+
+    def handle(self, base):
+        return struct.pack("<QQ", base, self.segments[base][1]).ljust(64, b"\0")
+
+    def handle_of(self, storage):
+        return self.handle(storage.data_ptr())
+
+    # driver calls
     def push(self, ordinal):
-        pass
+        self.calls["push"] += 1
+        self.contexts.append(ordinal)
 
     def pop(self):
-        pass
+        self.calls["pop"] += 1
+        self.contexts.pop()
+
+    def address_range(self, ptr):
+        self.calls["address_range"] += 1
+        for base, (size, _, _) in self.segments.items():
+            if base <= ptr < base + size:
+                return base, size
+        raise CudaDriverError("cuMemGetAddressRange", 1, "CUDA_ERROR_INVALID_VALUE")
+
+    def buffer_id(self, base):
+        self.calls["buffer_id"] += 1
+        self.asked[base] += 1
+        seg = self.segments.get(base)
+        return seg[1] if seg else None
+
+    def ipc_handle(self, base):
+        self.calls["ipc_handle"] += 1
+        return self.handle(base)
+
+    def ipc_open(self, handle):
+        self.calls["ipc_open"] += 1
+        base, alloc_id = struct.unpack("<QQ", handle[:16])
+        seg = self.segments.get(base)
+        if handle in self.refuse or seg is None or seg[1] != alloc_id:
+            raise CudaDriverError("cuIpcOpenMemHandle", 1, "CUDA_ERROR_INVALID_VALUE")
+        self.events.append(("open", base))
+        self.open[base] = handle
+        return base
 
     def ipc_close(self, ptr):
-        self.closed.append(ptr)
+        self.calls["ipc_close"] += 1
+        self.events.append(("close", ptr))
+        del self.open[ptr]
+
+    def memcpy_async(self, dst, src, nbytes, stream):
+        self.calls["memcpy_async"] += 1
+        self._copy("ce", [dst], [src], [nbytes])
+
+    def memcpy_batch(self, drv, dst, src, nbytes, stream, src_dev, dst_dev):
+        assert drv is self and src_dev != dst_dev
+        self.calls["memcpy_batch"] += 1
+        self._copy("batch", dst, src, nbytes)
+
+    def _copy(self, how, dst, src, nbytes):
+        if self.copy_error is not None:
+            err, self.copy_error = self.copy_error, None
+            self.events.append(("copy failed", how))
+            raise err
+        for d, s, n in zip(dst, src, nbytes):
+            assert any(b <= int(s) and int(s) + int(n) <= b + self.segments[b][0] for b in self.open), \
+                "a copy read memory that is not mapped"
+            ctypes.memmove(int(d), int(s), int(n))
+        self.events.append(("copy", how))
 
 
-def test_ipc_mappings_of_persistent_buffers_survive_the_end_of_an_update(monkeypatch):
-    from sglang.srt.ray.rdt.transport import cuda_driver
-    from sglang.srt.ray.rdt.transport.mapping_cache import Mapping, MappingCache
+class FakeStream:
+    def __init__(self, events):
+        self.events = events
+        self.cuda_stream = 0x5EAB
 
-    closed = []
-
-
-    monkeypatch.setattr(cuda_driver, "driver", lambda: FakeDriver(closed))
-    t = MappingCache()
-    t.fetches = 3  # this update read with fetches 1..3
-    t.mappings = {
-        ("trainer-a", 0x1000): Mapping(b"a", 1 << 30, 0xA000, 1, 2, persistent=True),
-        ("trainer-a", 0x2000): Mapping(b"b", 1 << 20, 0xB000, 1, 3, persistent=False),
-        ("trainer-b", 0x1000): Mapping(b"c", 1 << 30, 0xC000, 1, 1, persistent=True),
-        # persistent, but no fetch of this update read it (its owner may have
-        # freed it): closed at the update's end
-        ("trainer-b", 0x9000): Mapping(b"d", 1 << 20, 0xD000, 1, 0, persistent=True),
-    }
-    t.senders = ["trainer-a", "trainer-b"]
-    t.plans["some"] = object()
-    gen = t.generation
-    # end of an update: the trainer may free what it put, but not its
-    # persistent bucket slots (it releases those through the ranks first)
-    assert t.close_all(keep_persistent=True) == 2
-    assert closed == [0xB000, 0xD000] and set(t.mappings) == {("trainer-a", 0x1000), ("trainer-b", 0x1000)}
-    assert t.generation > gen and not t.plans  # no copy plan may point into a closed mapping
-    # the next update reads only trainer-a's: trainer-b's goes at its end
-    t.fetches = 5
-    t.mappings[("trainer-a", 0x1000)].last_used = 4
-    assert t.close_all(keep_persistent=True) == 1
-    assert closed == [0xB000, 0xD000, 0xC000]
-    assert t.senders == ["trainer-a"]
-    t.mappings[("trainer-b", 0x1000)] = Mapping(b"c", 1 << 30, 0xC000, 1, 5, persistent=True)
-    t.senders.append("trainer-b")
-    closed.clear()
-    # the client of trainer-a closes: only its mappings go
-    assert t.release_sender("trainer-a") == 1
-    assert closed == [0xA000] and set(t.mappings) == {("trainer-b", 0x1000)}
-    assert t.senders == ["trainer-b"]
-    # engine shutdown: everything
-    assert t.close_all() == 1 and closed[-1] == 0xC000 and not t.mappings and not t.senders
+    def synchronize(self):
+        self.events.append(("sync",))
 
 
-def test_ipc_part_is_persistent_only_when_every_segment_was_declared():
-    from sglang.srt.ray.rdt.transport.metadata import IpcPart
-    from sglang.srt.ray.rdt.transport.persistent import all_persistent, mark_persistent
+SENDER_GPU, LOCAL_GPU = "GPU-sender", "GPU-local"
 
-    part = IpcPart(node_id="n", sender="s", pid=1, device_uuid="GPU-x", segments=[], tensors=[])
-    assert part.persistent is False  # refs of ordinary tensors: mappings closed after every update
-    assert all_persistent(0, []) is False
-    assert mark_persistent(torch.zeros(4)) is False  # CPU tensors have no CUDA segment
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The fake driver in place of ``cuda_driver.driver()``; GPU 0 (the
+    reader's) and GPU 1 (the sender's) visible; no SM copy kernel."""
+    drv = FakeCuda()
+    monkeypatch.setattr(cuda_driver, "driver", lambda: drv)
+    monkeypatch.setattr(cuda_driver, "memcpy_batch", drv.memcpy_batch)
+
+    def no_kernel(ordinal):
+        drv.calls["copy_kernel"] += 1
+        raise OSError("no libnvrtc here")
+
+    monkeypatch.setattr(cuda_driver, "copy_kernel", no_kernel)
+    monkeypatch.setattr(cuda_ipc, "device_uuid", lambda i: [LOCAL_GPU, SENDER_GPU][i])
+    monkeypatch.setattr(cuda_ipc, "local_ordinal_of", {LOCAL_GPU: 0, SENDER_GPU: 1}.get)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(drv.events))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    yield drv
+    assert drv.contexts == [], "a context pushed was not popped"
+
+
+def _view(storage, offset, nbytes):
+    return storage[offset: offset + nbytes]
+
+
+def _fill(t, seed):
+    t.copy_(torch.arange(seed, seed + t.numel(), dtype=torch.int64).to(torch.uint8))
+
+
+# -- sender ------------------------------------------------------------------ #
+def test_exporter_asks_the_driver_once_per_segment_and_finds_it_again_by_address(fake_cuda):
+    drv = fake_cuda
+    a, b = drv.alloc(4096), drv.alloc(8192)
+    tensors = [_view(a, 0, 1000), _view(a, 1024, 2000), _view(b, 512, 4096)]
+    exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
+    part = exporter.export(tensors, 1, "node-a")
+    assert (part.sender, part.pid, part.node_id, part.device_uuid) == ("sender", os.getpid(), "node-a",
+                                                                      SENDER_GPU)
+    assert part.segments == sorted([(a.data_ptr(), 4096, drv.handle_of(a), False),
+                                    (b.data_ptr(), 8192, drv.handle_of(b), False)])
+    bases = np.array([s[0] for s in part.segments])
+    assert (bases[part.seg] + part.offset).tolist() == [t.data_ptr() for t in tensors]
+    assert part.nbytes.tolist() == [1000, 2000, 4096]
+    assert drv.calls["ipc_handle"] == 2 and drv.calls["push"] == drv.calls["pop"] == 1
+
+    # The same tensors again, and new tensors in the same segments: found by
+    # address; each segment's allocation id is checked, no handle asked.
+    drv.calls.clear()
+    exporter.export(tensors, 1, "node-a")
+    again = exporter.export([_view(b, 0, 16), _view(a, 4000, 96)], 1, "node-a")
+    assert drv.calls["address_range"] == drv.calls["ipc_handle"] == 0
+    assert drv.calls["buffer_id"] == 4  # 2 segments x 2 exports
+    assert [s[0] for s in again.segments] == sorted([a.data_ptr(), b.data_ptr()])
+
+
+def test_a_segment_freed_and_allocated_again_gets_a_new_handle(fake_cuda):
+    drv = fake_cuda
+    a, b = drv.alloc(4096), drv.alloc(4096)
+    exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
+    first = exporter.export([_view(a, 0, 64), _view(b, 0, 64)], 1, "node-a")
+    old = dict((s[0], s[2]) for s in first.segments)
+    drv.reallocate(a)  # same address, same size: another allocation
+    drv.calls.clear()
+    second = exporter.export([_view(a, 0, 64), _view(b, 0, 64)], 1, "node-a")
+    new = dict((s[0], s[2]) for s in second.segments)
+    assert new[a.data_ptr()] == drv.handle_of(a) != old[a.data_ptr()]
+    assert new[b.data_ptr()] == old[b.data_ptr()]
+    assert drv.calls["ipc_handle"] == 1  # only the re-allocated segment's
+
+
+def test_a_larger_segment_at_a_known_address_replaces_what_it_overlaps(fake_cuda):
+    drv = fake_cuda
+    small = drv.alloc(4096)
+    exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
+    exporter.export([_view(small, 0, 64)], 1, "node-a")
+    # The allocator gave the address range a bigger segment since: a tensor
+    # past the old end is looked up, and only the new segment is exported.
+    base = small.data_ptr()
+    big = torch.zeros(16384, dtype=torch.uint8)
+    drv.segments = {base: [16384, next(drv.ids), big]}
+    tensor = types.SimpleNamespace(data_ptr=lambda: base + 8192, nbytes=256)
+    part = exporter.export([tensor], 1, "node-a")
+    assert part.segments == [(base, 16384, drv.handle(base), False)]
+    assert part.offset.tolist() == [8192]
+
+
+def test_kept_segments_are_not_checked_again_until_forgotten(fake_cuda):
+    drv = fake_cuda
+    pool, loose = drv.alloc(4096), drv.alloc(4096)
+    keeper_asked = []
+
+    def holds(base):
+        keeper_asked.append(base)
+        return base == pool.data_ptr()
+
+    keepers = {1: holds}  # GPU 1 has a staging pool (same_node.set_keeper)
+    exporter = CudaIpcExporter("sender", keepers.get)
+    tensors = [_view(pool, 0, 64), _view(loose, 0, 64)]
+    part = exporter.export(tensors, 1, "node-a")
+    assert {s[0]: s[3] for s in part.segments} == {pool.data_ptr(): True, loose.data_ptr(): False}
+    assert sorted(keeper_asked) == sorted([pool.data_ptr(), loose.data_ptr()])  # once per segment
+    drv.asked.clear()
+    for _ in range(3):
+        exporter.export(tensors, 1, "node-a")
+    assert drv.asked == Counter({loose.data_ptr(): 3})  # the kept one is never re-checked
+    assert len(keeper_asked) == 2
+
+    # The pool is withdrawn (it is being freed): its segment is looked up
+    # afresh, is no longer kept, and is checked at every export from then on.
+    keepers.clear()
+    exporter.forget_kept(1)
+    drv.calls.clear()
+    part = exporter.export(tensors, 1, "node-a")
+    assert drv.calls["ipc_handle"] == 1 and all(not s[3] for s in part.segments)
+    drv.asked.clear()
+    exporter.export(tensors, 1, "node-a")
+    assert drv.asked == Counter({loose.data_ptr(): 1, pool.data_ptr(): 1})
+
+
+def test_exporter_gives_up_on_segments_that_keep_changing(fake_cuda, monkeypatch):
+    drv = fake_cuda
+    a = drv.alloc(4096)
+    ids = itertools.count(100)
+    monkeypatch.setattr(drv, "buffer_id", lambda base: next(ids))  # a new allocation every look
+    exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
+    with pytest.raises(CudaDriverError, match="keep changing"):
+        exporter.export([_view(a, 0, 64)], 1, "node-a")
+
+
+# -- reader ------------------------------------------------------------------ #
+def _part(drv, storages, tensors, kept=(), sender="sender", pid=None, gpu=SENDER_GPU):
+    """An IpcPart of ``tensors`` (views of ``storages``) as a sender would describe them."""
+    bases = [s.data_ptr() for s in storages]
+    seg = [next(i for i, s in enumerate(storages)
+                if s.data_ptr() <= t.data_ptr() < s.data_ptr() + s.numel()) for t in tensors]
+    return IpcPart(
+        node_id="node-a", sender=sender, pid=os.getpid() if pid is None else pid, device_uuid=gpu,
+        segments=[(b, s.numel(), drv.handle_of(s), any(s is k for k in kept))
+                  for b, s in zip(bases, storages)],
+        seg=np.array(seg, np.int64),
+        offset=np.array([t.data_ptr() - bases[i] for t, i in zip(tensors, seg)], np.int64),
+        nbytes=np.array([t.nbytes for t in tensors], np.int64))
+
+
+GPU0 = torch.device("cuda", 0)
+
+
+def _sender_tensors(drv, kept=True, seed=1):
+    seg = drv.alloc(8192)
+    tensors = [_view(seg, 0, 3000), _view(seg, 4096, 1000)]
+    for i, t in enumerate(tensors):
+        _fill(t, seed + i)
+    return seg, tensors, _part(drv, [seg], tensors, kept=[seg] if kept else [])
+
+
+def _targets(tensors):
+    return Targets.of([torch.zeros(t.nbytes, dtype=torch.uint8) for t in tensors])
+
+
+def test_a_kept_segment_is_mapped_once_and_read_again_from_the_same_mapping(fake_cuda):
+    drv = fake_cuda
+    seg, tensors, part = _sender_tensors(drv, kept=True)
+    reader = CudaIpcReader()
+    targets = _targets(tensors)
+    first = reader.read(part, targets, GPU0)
+    assert (first.opened, first.reused, first.closed, first.method) == (1, 0, 0, "batch")
+    assert all(torch.equal(d, s) for d, s in zip(targets.tensors, tensors))
+    for seed in (7, 9):  # the trainer writes new bytes into its pool
+        for i, t in enumerate(tensors):
+            _fill(t, seed + i)
+        res = reader.read(part, targets, GPU0)
+        assert (res.opened, res.reused, res.closed) == (0, 1, 0)
+        assert all(torch.equal(d, s) for d, s in zip(targets.tensors, tensors))
+    assert drv.calls["ipc_open"] == 1 and drv.calls["ipc_close"] == 0
+    assert reader.stats() == {"kept_mappings": 1, "kept_bytes": 8192, "kept_senders": 1}
+    assert (res.path, res.tensors, res.bytes) == ("cuda_ipc", 2, 4000)
+
+
+def test_a_segment_not_kept_is_closed_right_after_its_copy(fake_cuda):
+    drv = fake_cuda
+    seg, tensors, part = _sender_tensors(drv, kept=False)
+    reader = CudaIpcReader()
+    for _ in range(2):
+        drv.events.clear()
+        targets = _targets(tensors)
+        res = reader.read(part, targets, GPU0)
+        assert (res.opened, res.reused, res.closed) == (1, 0, 1)
+        assert drv.events == [("open", seg.data_ptr()), ("copy", "batch"), ("sync",),
+                              ("close", seg.data_ptr())]
+        assert all(torch.equal(d, s) for d, s in zip(targets.tensors, tensors))
+    assert drv.open == {} and reader.stats()["kept_mappings"] == 0
+
+
+def test_a_failed_copy_still_closes_its_mappings_once_the_stream_is_done(fake_cuda):
+    drv = fake_cuda
+    seg, tensors, part = _sender_tensors(drv, kept=False)
+    drv.copy_error = RuntimeError("an illegal address was encountered")
+    with pytest.raises(RuntimeError, match="illegal address"):
+        CudaIpcReader().read(part, _targets(tensors), GPU0)
+    # The copy may still read the mapping when the call fails: the stream is
+    # waited for before the mapping goes.
+    assert drv.events == [("open", seg.data_ptr()), ("copy failed", "batch"), ("sync",),
+                          ("close", seg.data_ptr())]
+    assert drv.open == {}
+
+
+def test_a_new_handle_at_a_kept_base_closes_the_old_mapping(fake_cuda):
+    drv = fake_cuda
+    seg, tensors, part = _sender_tensors(drv, kept=True)
+    reader = CudaIpcReader()
+    reader.read(part, _targets(tensors), GPU0)
+    drv.reallocate(seg)  # the sender freed the pool and allocated it again
+    _fill(tensors[0], 42)
+    moved = _part(drv, [seg], tensors, kept=[seg])
+    assert moved.segments[0][2] != part.segments[0][2]
+    drv.events.clear()
+    targets = _targets(tensors)
+    res = reader.read(moved, targets, GPU0)
+    assert drv.events[:2] == [("close", seg.data_ptr()), ("open", seg.data_ptr())]
+    assert (res.opened, res.reused) == (1, 0) and torch.equal(targets.tensors[0], tensors[0])
+    assert reader.stats()["kept_mappings"] == 1 and list(drv.open.values()) == [moved.segments[0][2]]
+
+
+def test_sizes_that_do_not_fit_are_refused_before_any_mapping(fake_cuda):
+    drv = fake_cuda
+    seg, tensors, part = _sender_tensors(drv, kept=True)
+    reader = CudaIpcReader()
+    too_small = Targets.of([torch.zeros(3000, dtype=torch.uint8), torch.zeros(999, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="target buffer 1 holds 999 bytes, the source tensor 1000"):
+        reader.read(part, too_small, GPU0)
+    with pytest.raises(ValueError, match=r"Length of tensor_buffers \(1\) does not match"):
+        reader.read(part, Targets.of([torch.zeros(3000, dtype=torch.uint8)]), GPU0)
+    assert drv.calls["ipc_open"] == 0 and drv.calls["push"] == 0
+
+
+def test_a_segment_that_cannot_be_mapped_fails_the_read_before_any_byte_moves(fake_cuda):
+    drv = fake_cuda
+    a, b = drv.alloc(4096), drv.alloc(4096)
+    tensors = [_view(a, 0, 64), _view(b, 0, 64)]
+    _fill(tensors[0], 3)
+    part = _part(drv, [a, b], tensors)
+    drv.refuse.add(drv.handle_of(b))
+    targets = _targets(tensors)
+    with pytest.raises(MappingFailed, match="cuIpcOpenMemHandle"):
+        CudaIpcReader().read(part, targets, GPU0)
+    assert drv.events == [("open", a.data_ptr()), ("close", a.data_ptr())]  # no copy, nothing left open
+    assert all(int(t.sum()) == 0 for t in targets.tensors)
+
+
+def test_map_kept_opens_only_kept_segments_and_the_next_read_reuses_them(fake_cuda):
+    drv = fake_cuda
+    pool, loose = drv.alloc(4096), drv.alloc(4096)
+    tensors = [_view(pool, 0, 128), _view(loose, 0, 128)]
+    part = _part(drv, [pool, loose], tensors, kept=[pool])
+    reader = CudaIpcReader()
+    assert reader.map_kept(part, GPU0) == 1
+    assert list(drv.open) == [pool.data_ptr()]
+    assert reader.read(part, _targets(tensors), GPU0, copy=False).opened == 0  # mapped, nothing copied
+    assert ("copy", "batch") not in drv.events
+    res = reader.read(part, _targets(tensors), GPU0)
+    assert (res.opened, res.reused, res.closed) == (1, 1, 1)
+    assert list(drv.open) == [pool.data_ptr()]
+
+
+def test_release_closes_the_kept_mappings_of_one_sender_of_gone_senders_or_of_all(fake_cuda):
+    drv = fake_cuda
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(gone.stdout)  # a process that exited (and was reaped)
+    reader = CudaIpcReader()
+    segs = {}
+    for sender, pid in (("alive-1", os.getpid()), ("alive-2", os.getpid()), ("exited", dead_pid)):
+        seg = segs[sender] = drv.alloc(4096)
+        t = [_view(seg, 0, 64)]
+        reader.read(_part(drv, [seg], t, kept=[seg], sender=sender, pid=pid), _targets(t), GPU0)
+    assert reader.stats()["kept_senders"] == 3
+
+    assert reader.release(gone_only=True) == 1
+    assert set(drv.open) == {segs["alive-1"].data_ptr(), segs["alive-2"].data_ptr()}
+    assert reader.release(gone_only=True) == 0
+    assert reader.release("alive-1") == 1 and set(drv.open) == {segs["alive-2"].data_ptr()}
+    assert reader.release("nobody") == 0
+    assert reader.release() == 1 and drv.open == {} and reader.stats()["kept_mappings"] == 0
+    assert drv.calls["push"] == drv.calls["pop"]
+
+
+def test_a_reader_keeps_mappings_of_a_few_senders_and_lets_the_oldest_go(fake_cuda):
+    drv = fake_cuda
+    reader = CudaIpcReader()
+    segs = []
+    for i in range(CudaIpcReader.max_kept_senders + 1):
+        seg = drv.alloc(4096)
+        segs.append(seg)
+        t = [_view(seg, 0, 64)]
+        reader.read(_part(drv, [seg], t, kept=[seg], sender=f"trainer-{i}"), _targets(t), GPU0)
+    assert reader.stats()["kept_senders"] == CudaIpcReader.max_kept_senders
+    assert set(drv.open) == {s.data_ptr() for s in segs[1:]}  # the first sender's went
+
+
+def test_on_one_gpu_without_the_copy_kernel_tensors_are_copied_one_by_one(fake_cuda):
+    drv = fake_cuda
+    seg, tensors, _ = _sender_tensors(drv, kept=True)
+    part = _part(drv, [seg], tensors, kept=[seg], gpu=LOCAL_GPU)  # the reader's own GPU
+    reader = CudaIpcReader()
+    for _ in range(2):
+        targets = _targets(tensors)
+        assert reader.read(part, targets, GPU0).method == "ce"
+        assert all(torch.equal(d, s) for d, s in zip(targets.tensors, tensors))
+    assert drv.calls["copy_kernel"] == 1  # tried once, remembered
+    assert drv.calls["memcpy_async"] == 4 and drv.calls["memcpy_batch"] == 0
+
+
+def test_between_gpus_a_refused_batch_falls_back_to_one_copy_per_tensor(fake_cuda, monkeypatch):
+    drv = fake_cuda
+
+    def refused(*args):
+        raise CudaDriverError("cuMemcpyBatchAsync", -1, "not in this driver")
+
+    monkeypatch.setattr(cuda_driver, "memcpy_batch", refused)
+    seg, tensors, part = _sender_tensors(drv, kept=False)
+    targets = _targets(tensors)
+    assert CudaIpcReader().read(part, targets, GPU0).method == "ce"
+    assert all(torch.equal(d, s) for d, s in zip(targets.tensors, tensors))
+    assert drv.calls["memcpy_async"] == 2
+
+
+def test_a_reader_says_why_it_cannot_read_a_part(fake_cuda, monkeypatch):
+    drv = fake_cuda
+    _, _, part = _sender_tensors(drv)
+    reader = CudaIpcReader()
+    assert reader.unusable(part, GPU0, "node-a") is None
+    assert reader.unusable(part, GPU0, "node-b") == "the sender is on another node"
+    assert reader.unusable(part, torch.device("cpu"), "node-a") == "target buffers on cpu"
+    hidden = IpcPart(**{**part.__dict__, "device_uuid": "GPU-elsewhere"})
+    assert "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1" in reader.unusable(hidden, GPU0, "node-a")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert reader.unusable(part, GPU0, "node-a") == "no CUDA device in this process"
 
 
 # --------------------------------------------------------------------------- #
-# Copy planning and the plan cache of the CUDA IPC path
+# The copy kernel's table
 # --------------------------------------------------------------------------- #
-def test_plan_copies_merges_only_copies_that_continue_on_both_sides():
-    from sglang.srt.ray.rdt.transport.copy_plan import plan_copies
-
-    copies = [(1000, 5000, 10), (1010, 5010, 6), (1016, 6000, 4), (2000, 6004, 0), (2000, 6004, 8)]
-    # the first two continue each other; the third jumps on the source side;
-    # the empty one vanishes; the last continues the third only on the source side
-    assert plan_copies(copies) == [(1000, 5000, 16), (1016, 6000, 4), (2000, 6004, 8)]
-    assert plan_copies([]) == []
-
-
-def test_spread_balances_bytes_keeps_order_and_never_makes_empty_queues():
-    from sglang.srt.ray.rdt.transport.copy_plan import spread
-
-    copies = [(i, i, n) for i, n in enumerate([40, 10, 10, 10, 10, 20])]
-    queues = spread(copies, 2)
-    assert [c for q in queues for c in q] == copies  # order kept, nothing lost
-    assert [sum(c[2] for c in q) for q in queues] == [50, 50]
-    assert spread(copies[:1], 4) == [copies[:1]]  # more streams than copies
-    assert spread(copies, 1) == [copies]
+def test_chunk_table_cuts_every_copy_into_chunks_in_order():
+    rows = chunk_table([1000, 9000, 20000], [50000, 60000, 70000], [250, 0, 100], chunk=100)
+    rows = rows.reshape(-1, 3).tolist()
+    assert rows == [
+        [1000, 50000, 100], [1100, 50100, 100], [1200, 50200, 50],  # 2.5 chunks
+        [20000, 70000, 100],  # exactly one chunk; the empty copy has none
+    ]
+    assert rows == chunk_table(np.array([1000, 9000, 20000], np.int64),
+                               np.array([50000, 60000, 70000], np.int64),
+                               np.array([250, 0, 100], np.int64), chunk=100).reshape(-1, 3).tolist()
+    assert chunk_table([], [], [], chunk=100).size == 0
 
 
-def test_a_cached_copy_plan_is_used_only_while_every_mapping_it_points_into_is_open(monkeypatch):
-    from sglang.srt.ray.rdt.transport import cuda_driver
-    from sglang.srt.ray.rdt.transport.mapping_cache import CopyPlan, Mapping, MappingCache
-    from sglang.srt.ray.rdt.transport.metadata import IpcPart
-
-
-    monkeypatch.setattr(cuda_driver, "driver", lambda: FakeDriver([]))
-    cache = MappingCache()
-    ipc = IpcPart(node_id="n", sender="s", pid=1, device_uuid="GPU-x",
-                  segments=[(0x1000, 1 << 20, b"h")], tensors=[(0, 0, 64)])
-    m = cache.mappings[("s", 0x1000)] = Mapping(b"h", 1 << 20, 0xA000, 0, 0)
-    plan = CopyPlan(key="k", generation=cache.generation, dst_ptrs=[0xD000], segments=ipc.segments,
-                    tensors=ipc.tensors, copies=1, queues=[[(0xD000, 0xA000, 64)]], streams=[],
-                    batch=None, mappings=[m])
-    cache.keep_plan("k", plan)
-    assert cache.plan("k", [0xD000], ipc) is plan  # the same pull again: reused
-    assert cache.plan("k", [0xE000], ipc) is None  # other targets: planned afresh, dropped
-    cache.keep_plan("k", plan)
-    moved = IpcPart(**{**ipc.__dict__, "segments": [(0x1000, 1 << 20, b"other")]})
-    assert cache.plan("k", [0xD000], moved) is None  # the sender re-allocated: new handle
-    cache.keep_plan("k", plan)
-    cache.close(("s", 0x1000))  # a mapping closed: no plan may point into it
-    assert not cache.plans and cache.plan("k", [0xD000], ipc) is None
-    cache.enabled = False  # no caching: nothing is kept or reused
-    cache.keep_plan("k", CopyPlan(**{**plan.__dict__, "generation": cache.generation}))
-    assert cache.plan("k", [0xD000], ipc) is None
+def test_chunk_table_covers_every_byte_once_at_the_default_chunk_size():
+    nbytes = [3 * MiB + 17, 1, MiB]
+    dst, src = [1 << 40, 2 << 40, 3 << 40], [5 << 40, 6 << 40, 7 << 40]
+    rows = chunk_table(dst, src, nbytes).reshape(-1, 3).astype(np.int64)
+    assert rows[:, 2].max() <= cuda_driver.CHUNK_BYTES and rows[:, 2].min() > 0
+    for d, s, n in zip(dst, src, nbytes):
+        mine = rows[(rows[:, 0] >= d) & (rows[:, 0] < d + n)]
+        assert mine[:, 2].sum() == n
+        assert (mine[:, 1] - mine[:, 0] == s - d).all()  # each chunk reads what it writes
+        assert (np.diff(mine[:, 0]) == mine[:-1, 2]).all()  # back to back, no gap or overlap

@@ -85,6 +85,7 @@ class Update:
     stream: bool = False
     slot_bytes: int = 0
     wait_s: float = 0.0
+    total: Optional[int] = None  # steps of a mapping (an iterator's: unknown)
 
     # -- plan ------------------------------------------------------------------ #
     def run(self, named) -> UpdateStats:
@@ -112,6 +113,7 @@ class Update:
                 for rg, payload in enumerate(payloads):
                     for r in self.rank_groups[rg]:
                         buckets.check_strict(payload.keys(), c.parameter_layouts()[r], c.labels[r])
+            self.total = len(planned)
             steps = iter(planned)
         try:
             self._transfer(steps)
@@ -218,7 +220,11 @@ class Update:
 
     def _land(self, flight: Flight) -> None:
         c = self.client
-        results = c.gather(flight.calls, f"pull of step {flight.index + 1}", self.wait_s)
+        try:
+            results = c.gather(flight.calls, f"pull of step {flight.index + 1}", self.wait_s)
+        except BaseException:
+            self.flights.appendleft(flight)  # settled (and its slot freed) with the others
+            raise
         for r, call in flight.calls:
             if isinstance(call, LaneCall):
                 c.lanes.defined(r, call)
@@ -244,8 +250,7 @@ class Update:
         self.steps_done.append(stats)
         if self.progress is not None:
             try:
-                self.progress(stats, len(self.steps_done), None if self.stream else
-                              len(self.steps_done) + len(self.flights))
+                self.progress(stats, len(self.steps_done), self.total)
             except Exception as e:  # a display bug must not abort an update
                 logger.warning("[RDT] progress callback failed: %s", e)
 

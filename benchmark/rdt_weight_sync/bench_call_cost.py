@@ -15,26 +15,25 @@ generation continued afterwards.
 Next to every pull it times two calls to the same actor that do no weight
 work: ``__ray_ready__`` (Ray's built-in no-op method) and
 ``get_weight_sync_status`` (a plain method of ours). It prints p50/p90 of
-each, and the pull split into stages, from the stamps the rank returns
-(``pull_weights``' ``stages`` and ``timing``; all stamps are
-``time.perf_counter()``, one monotonic clock for every process of the host):
+each, and the pull split into stages, from what the rank returns
+(``pull_weights``' ``plan_seconds``, ``fetch_seconds`` and ``timing``; all
+stamps are ``time.perf_counter()``, one monotonic clock for every process of
+the host):
 
 ==================  ========================================================
 dispatch            the caller's ``.remote()`` until the actor method queued
                     the pull for the scheduler thread (Ray's call path)
-safe-point pickup   queued until the scheduler loop started the task (~0 when
-                    the waiting loop lent its safe point: run on the actor's
-                    thread)
-quiesce check       the actor's check that no batch runs (actor_mixin)
-metadata            RDT metadata of the refs (shapes, dtypes)
-plan                names → live parameters, shape/dtype/contiguity checks
-registration        NIXL registrations still cover the parameters?
-admit               who put each ref; the update state's conflict check
-set_target          ``set_target_for_ref``
-transfer            ``ray.get`` of the refs (NIXL handshake + copy)
-verify              transport used + every tensor landed in its target
-record              the update state's record of the pull, metrics
-log                 the pull's log line
+safe-point pickup   queued until the scheduler loop started the task (a
+                    paused loop waits at its safe point and wakes for it)
+quiesce check       the rank's check that generation is paused and no batch
+                    runs, until the receiver started
+plan                the refs' metadata (shapes, dtypes), names → live
+                    parameters with their checks, NIXL registrations, the
+                    update state's admission of the writer
+transfer            the read: same-node (``process_vm_readv``, CUDA IPC) for
+                    an ``SGLANG_IPC`` ref this rank can read, else
+                    ``set_target_for_ref`` + ``ray.get`` (NIXL)
+record              the update state's record of the pull, its log line
 safe-point handoff  the task finished until the actor thread had it back
 reply               the actor thread's return until the caller had the
                     result (Ray's return path)
@@ -77,8 +76,7 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "test" / "srt" / "ray"
 
 # The rank's stages, in the order they happen (see the module docstring).
-RANK_STAGES = ["metadata", "plan", "registration", "admit", "set_target", "direct", "transfer",
-               "verify", "record", "log"]
+RANK_STAGES = ["plan", "transfer", "record"]
 ROWS = ["dispatch", "safe-point pickup", "quiesce check", *RANK_STAGES,
         "safe-point handoff", "reply"]
 
@@ -93,21 +91,28 @@ def pct(values: List[float], q: float) -> float:
 
 def split(out: Dict[str, Any], t_send: float, t_recv: float) -> Dict[str, float]:
     """One pull's wall time split into the rows above (seconds)."""
-    tm, st = out["timing"], out["stages"]
+    tm = out["timing"]
+    receiver = tm["pull_end"] - tm["pull_start"]
     row = {
         "dispatch": tm["queued"] - t_send,
         "safe-point pickup": tm["started"] - tm["queued"],
         "quiesce check": tm["pull_start"] - tm["started"],
-        **{k: st.get(k, 0.0) for k in RANK_STAGES},
+        "plan": out["plan_seconds"],
+        "transfer": out["fetch_seconds"],
+        "record": receiver - out["plan_seconds"] - out["fetch_seconds"],
         "safe-point handoff": tm["resumed"] - tm["finished"],
         "reply": t_recv - tm["resumed"],
     }
     # What the stages above do not cover inside the task (the receiver's
-    # lock, its prologue, the task's return): shown so nothing is hidden.
-    row["rest of task"] = (tm["finished"] - tm["started"]) - row["quiesce check"] - sum(
-        st.get(k, 0.0) for k in RANK_STAGES)
+    # lock, the task's return): shown so nothing is hidden.
+    row["rest of task"] = (tm["finished"] - tm["started"]) - row["quiesce check"] - receiver
     row["total"] = t_recv - t_send
     return row
+
+
+def read_paths(out: Dict[str, Any]) -> List[str]:
+    """How each source of one pull was read: ``path/method`` (e.g. ``cma/process_vm_readv``)."""
+    return [f"{r['path']}/{r['method']}" for r in out.get("reads", [])]
 
 
 # --------------------------------------------------------------------------- #
@@ -120,16 +125,16 @@ def make_trainer(ray):
             import torch
             from ray.experimental import register_nixl_memory
 
+            from sglang.srt.ray.rdt import start_nixl_agent
+
             self.transport = transport
             if transport == "SGLANG_IPC":
                 from sglang.srt.ray.rdt.transport import sglang_ipc
 
                 sglang_ipc.register()
-
-            try:  # a trainer importing the fork gets a NIXL progress thread that sleeps
-                import sglang.srt.ray  # noqa: F401
-            except Exception:
-                pass
+            # Before anything builds this process's NIXL agent: its progress
+            # thread, which polls without sleeping, then runs at idle priority.
+            self.idle_nixl_threads = start_nixl_agent()
             dtypes = [getattr(torch, d) for d in dtypes]
             nbytes = sum(math.prod(s) * torch.empty(0, dtype=d).element_size() + 64
                          for s, d in zip(shapes, dtypes))
@@ -290,6 +295,7 @@ def measure(args, url: str, log=print) -> Dict[str, Any]:
     noop: List[float] = []
     status_call: List[float] = []
     reused: List[bool] = []
+    paths: Dict[str, int] = {}
     first: Dict[str, Any] = {}
     clock = time.perf_counter
     updates = 1
@@ -335,13 +341,15 @@ def measure(args, url: str, log=print) -> Dict[str, Any]:
         for i, (t0, t1, t1b, t2, t3, out) in enumerate(done):
             if i == 0:
                 first = {"total_ms": (t3 - t2) * 1e3,
-                         "stages_ms": {k: v * 1e3 for k, v in out.get("stages", {}).items()}}
+                         "stages_ms": {k: v * 1e3 for k, v in split(out, t2, t3).items()}}
             if i < args.warmup:
                 continue
             noop.append(t1 - t0)
             status_call.append(t1b - t1)
             rows.append(split(out, t2, t3))
             reused.append(bool(out.get("plan_reused")))
+            for p in read_paths(out):
+                paths[p] = paths.get(p, 0) + 1
     finally:
         try:
             end(f"call-cost-{os.getpid()}-{updates}")
@@ -366,6 +374,7 @@ def measure(args, url: str, log=print) -> Dict[str, Any]:
         "pause_mode": args.pause_mode,
         "updates": updates,
         "plan_reused": sum(reused) / max(1, len(reused)),
+        "paths": paths,
         "registered": reg.get("registered"),
         "first_call": first,
         "noop": summary(noop),
@@ -381,8 +390,9 @@ def print_table(res: Dict[str, Any], target: float) -> None:
     print(f"pull_weights of {res['tensors']} tensor(s), {res['bytes']} bytes put over {res['transport']}, "
           f"{res['calls']} calls from the {res.get('caller', 'driver')} after {res['warmup']} warm-up, "
           f"{res['updates']} update(s), "
-          f"plan reused in {res['plan_reused']:.0%}; load average "
-          + " ".join(f"{x:.1f}" for x in res["load_average"]))
+          f"plan reused in {res['plan_reused']:.0%}; read as "
+          + ", ".join(f"{p} x{n}" for p, n in sorted(res["paths"].items()))
+          + "; load average " + " ".join(f"{x:.1f}" for x in res["load_average"]))
     print(f"{'':28s}{'p50 ms':>9s}{'p90 ms':>9s}{'mean ms':>9s}")
     for label, s in (("no-op call (__ray_ready__)", noop),
                      ("get_weight_sync_status", status),
@@ -422,9 +432,9 @@ def main(argv=None) -> int:
     p.add_argument("--transport", default="nixl", choices=["nixl", "SGLANG_IPC"],
                    help="how the trainer puts (SGLANG_IPC: the same-node path, read without ray.get)")
     p.add_argument("--caller", default="driver", choices=["driver", "trainer"],
-                   help="who sends the calls: this driver, a borrower of the ref (default, "
-                        "the setup of every earlier figure), or the trainer actor that put "
-                        "it, right after its put (miles' own shape)")
+                   help="who sends the calls: this driver, a borrower of the ref (default), "
+                        "or the trainer actor that put it, right after its put (miles' own "
+                        "shape)")
     p.add_argument("--target", type=float, default=2.0, help="p50 ratio to the no-op call")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)

@@ -50,7 +50,7 @@ def test_call_cost_bench_reports_every_stage_against_a_live_server(server, ray_h
         [sys.executable, str(BENCH), "--url", server.url, "--namespace", ray_head.namespace,
          "--calls", "8", "--warmup", "2", "--calls-per-update", "4", "--json-out", str(out),
          "--transport", transport],
-        capture_output=True, text=True, timeout=240, env=env, cwd=str(ROOT),
+        capture_output=True, text=True, timeout=600, env=env, cwd=str(ROOT),
     )
     log = proc.stdout[-6000:] + proc.stderr[-6000:]
     assert proc.returncode == 0, log
@@ -60,15 +60,16 @@ def test_call_cost_bench_reports_every_stage_against_a_live_server(server, ray_h
     # Plans are reused within an update and across updates (same parameters).
     assert res["plan_reused"] == 1.0, res
     pull = res["pull"]
-    for row in ("dispatch", "safe-point pickup", "quiesce check", "metadata", "plan",
-                "registration", "admit", "set_target", "direct", "transfer", "verify", "record", "log",
+    for row in ("dispatch", "safe-point pickup", "quiesce check", "plan", "transfer", "record",
                 "safe-point handoff", "reply"):
         assert pull[row]["p50_ms"] >= 0, row
         assert row in proc.stdout, row
-    # NIXL refs go through ray.get ("transfer"); same-node SGLANG_IPC refs are
-    # read straight into the parameter ("direct": process_vm_readv here).
-    moved = "transfer" if transport == "nixl" else "direct"
-    assert pull[moved]["p50_ms"] > 0 and pull["total"]["p50_ms"] > 0
+    assert pull["transfer"]["p50_ms"] > 0 and pull["total"]["p50_ms"] > 0
+    # NIXL refs are fetched by Ray; same-node SGLANG_IPC refs of CPU tensors
+    # are read by the rank itself, with process_vm_readv.
+    path = "nixl/nixl" if transport == "nixl" else "cma/process_vm_readv"
+    assert res["paths"] == {path: 8}, res["paths"]
+    assert f"read as {path} x8" in proc.stdout
     assert res["noop"]["p50_ms"] > 0 and res["status_call"]["p50_ms"] > 0
     assert "pull p50 / no-op p50" in proc.stdout
     # The bench ended its updates cleanly and the engine serves again.

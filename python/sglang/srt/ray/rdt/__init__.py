@@ -1,15 +1,10 @@
 """Ray Direct Transport (RDT) weight sync for the Ray backend.
 
-- :mod:`.engine` — what runs in a rollout rank: the rank core
-  (``rank_sync.py``), its pull (``receiver.py``: plan, read, record), its
-  sources (``sources.py``), its same-node lane (``local_lane.py``), the
-  SchedulerActor's methods (``actor_mixin.py``) and the engine's session;
-- :mod:`.trainer` — what runs in a trainer: :class:`WeightSyncClient`
-  (``client.py``), one update (``update.py``), its planning (``buckets.py``),
-  bucket slots (``sender.py``), the staging pool (``staging.py``) and lanes;
-- :mod:`.transport` — how bytes move: same-node reads (CUDA IPC, one copy
-  kernel; ``process_vm_readv``), the ``SGLANG_IPC`` Ray transport, and every
-  Ray-private name used (``compat.py``).
+- :mod:`.engine`: what runs in a rollout rank (its pull, lane, actor methods,
+  the engine's session);
+- :mod:`.trainer`: what runs in a trainer (:class:`WeightSyncClient`);
+- :mod:`.transport`: how bytes move (CUDA IPC, ``process_vm_readv``, the
+  ``SGLANG_IPC`` Ray transport) and every Ray-private name used.
 
 ``WeightSyncClient`` and ``WeightSyncRankError`` are imported on first use
 (they pull in Ray).

@@ -1,4 +1,4 @@
-"""Every error of RDT weight sync, in one place.
+"""Every error of RDT weight sync, in one place, and the helpers of their messages.
 
 ``WeightSyncError`` (a ``ValueError``) is the base: a pull or update that was
 refused or failed; the message says what happened and what fixes it.
@@ -6,7 +6,8 @@ refused or failed; the message says what happened and what fixes it.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import difflib
+from typing import Any, Iterable, Optional, Sequence, Tuple
 
 
 class WeightSyncError(ValueError):
@@ -54,6 +55,20 @@ def unwrap(e: BaseException) -> BaseException:
     """The rank's own exception inside Ray's wrappers, when there is one."""
     cause = getattr(e, "cause", None)
     return cause if isinstance(cause, BaseException) else e
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float32`` / ``"torch.float32"`` / ``"float32"`` -> ``"float32"``."""
+    return str(dtype).replace("torch.", "")
+
+
+def close_names(name: str, candidates: Iterable[str]) -> str:
+    """A hint for an unknown parameter ``name`` among ``candidates``."""
+    candidates = list(candidates)
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
+    if close:
+        return "did you mean " + ", ".join(repr(c) for c in close) + "?"
+    return f"it has {len(candidates)} parameters, e.g. {next(iter(candidates), None)!r}"
 
 
 def describe(e: BaseException) -> str:

@@ -1,19 +1,14 @@
 """Keep Python's cyclic garbage collector out of a rank's weight update.
 
-A full (generation 2) collection in a process that holds Ray, torch and a
-model stops every thread of it for 75-107 ms (measured on an H200 host,
-docs/performance.md) — longer than a whole colocated update. So a rank's
+A full collection in a process that holds Ray, torch and a model stops it
+for 75-107 ms (H200 host), longer than a whole colocated update. So a rank's
 update runs with automatic collection off, from its first pull until the
-update ends (finalize or abort) — or, on a rank whose generation stays paused
-(``/pause_generation`` in retract or in_place mode, miles' way), until
-generation continues (at most :data:`MAX_HOLD_S`): a collection pending when
-the update ends would otherwise fire inside the next update's first pull.
-Reference counting still frees all acyclic garbage meanwhile.
-``SGLANG_RDT_PAUSE_GC=0`` leaves the collector alone. The trainer's collector
-is the trainer's: nothing here touches it.
-
-Holders nest: the collector is turned off by the first holder (only if it was
-on) and turned back on when the last one lets go.
+update ends, or, on a rank that stays paused for the next update, until
+generation continues (at most :data:`MAX_HOLD_S`): a collection pending at
+the update's end would fire inside the next update's first pull. Reference
+counting still frees acyclic garbage. ``SGLANG_RDT_PAUSE_GC=0`` leaves the
+collector alone; the trainer's collector is never touched. Holders nest: the
+first one turns collection off (if it was on), the last one turns it back on.
 """
 
 from __future__ import annotations

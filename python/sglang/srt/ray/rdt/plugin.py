@@ -1,15 +1,10 @@
 """The fork's sglang plugin (entry point ``sglang.srt.plugins``: ``ray_rdt_weight_sync``).
 
-sglang runs general plugins before it resolves any ServerArgs
-(``load_plugins()`` in the CLI, ``Engine.__init__`` and the Ray backend's
-``launch_engine``). This one registers the flag rules of RDT weight sync as
-resolution hooks, so they are decisions in sglang's resolution record (with
-their source) like every other derived setting:
-
-* ``--enable-rdt-weight-sync`` implies ``--enable-engine-info-bootstrap``
-  (every rank publishes its parallelism config; trainers read it from
-  ``/parallelism_config?rank=R``): after resolution
-  ``server_args.enable_engine_info_bootstrap`` reads True.
+sglang runs general plugins before it resolves any ServerArgs. This one
+registers the flag rules of RDT weight sync as resolution hooks, so they are
+recorded like every other derived setting: ``--enable-rdt-weight-sync``
+implies ``--enable-engine-info-bootstrap`` (trainers read every rank's
+parallelism config from ``/parallelism_config?rank=R``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Call a method on every rank and wait: the one fan-out of weight sync.
-
-Used by the trainer-side client (register, status, finalize) and by the
-engine's update session and status routes.
+"""Call a method on every rank and wait: the one fan-out of weight sync
+(the trainer-side client, the engine's update session and status routes).
 """
 
 from __future__ import annotations

@@ -1,36 +1,21 @@
 """The weight-sync methods of a rank actor, and the SchedulerActor that has them.
 
-:class:`RankActorApi` is the actor API a trainer (usually in another Ray job)
-calls on every rollout rank, over the rank core
-(:class:`~.rank_sync.RankWeightSync`) in ``self._rdt_sync``:
+:class:`RankActorApi` is the actor API a trainer calls on every rollout rank,
+over the rank core (:class:`~.rank_sync.RankWeightSync`) in ``self._rdt_sync``:
+``register_weight_for_rdt()``, ``pull_weights(weights_refs, param_names)``,
+``open_weight_sync_lane(sender_token, pid)``; the update around the pulls is
+sglang's own lifecycle over HTTP (``/pause_generation``,
+``/begin_weight_update``, pulls, ``/update_weight_version``,
+``/end_weight_update``, ``/continue_generation``: what miles does) or the
+actor calls ``begin_weight_update()``, ``finalize_weight_update()`` and
+``abort_weight_update()``. A pull is refused unless generation is paused or a
+weight-update session is open, and no batch is running; pulls, begin and
+finalize run on the scheduler's own thread between loop iterations.
 
-``register_weight_for_rdt()``
-    Pin the model's parameters with NIXL once, so pulls skip registration.
-``pull_weights(weights_refs, param_names, timeout=None)``
-    Write the tensors behind RDT refs straight into live parameters.
-``open_weight_sync_lane(sender_token, pid)``
-    A same-node call lane for ``WeightSyncClient`` (``local_lane.py``).
-
-The update around the pulls is sglang's own lifecycle, over HTTP (what miles
-does: ``/pause_generation``, ``/begin_weight_update``, pulls,
-``/update_weight_version``, ``/end_weight_update``, ``/continue_generation``)
-or as actor calls: ``begin_weight_update()``,
-``finalize_weight_update(weight_version=None, flush_cache=True)`` and
-``abort_weight_update(reason)``. For anyone: ``get_weight_sync_status()``,
-``get_weight_sync_stats()``, ``get_parameter_layout()``,
-``get_parameter_checksums()``, ``get_parallelism_config()``.
-
-The SchedulerActor of an engine started with ``--enable-rdt-weight-sync`` is
-sglang's own class plus :class:`RdtWeightSyncMixin` (``scheduler_actor.py``,
-declared with ``enable_tensor_transport=True``); engines without the flag
-create sglang's class unchanged. The standalone rank of the benchmark and the
-tests (``standalone.py``) has the same API over a plain model.
-
-Torn weights: a pull is refused unless the rank is quiesced — generation is
-paused (``/pause_generation``, any mode) or a weight-update session is open —
-and no batch is running. Pulls, begin and finalize run on the scheduler's own
-thread at a safe point between loop iterations
-(:mod:`sglang.srt.managers.scheduler_safe_point`), never beside a forward pass.
+:class:`RdtWeightSyncMixin` is what an engine started with
+``--enable-rdt-weight-sync`` adds to sglang's SchedulerActor
+(``scheduler_actor.py``); the standalone rank (``standalone.py``) has the same
+API over a plain model.
 """
 
 from __future__ import annotations
@@ -65,12 +50,9 @@ class RankActorApi:
         return self._rdt_sync
 
     def register_weight_for_rdt(self) -> Dict[str, Any]:
-        """Register every parameter's storage with NIXL once (idempotent).
-
-        Later pulls then skip memory registration. Returns
-        ``{"registered": bool, ...}``; with ``--enable-memory-saver`` nothing is
-        registered and ``reason`` says why.
-        """
+        """Register every parameter's storage with NIXL once (idempotent), so
+        pulls skip memory registration. Returns ``{"registered": bool, ...}``;
+        with ``--enable-memory-saver`` nothing is registered and ``reason`` says why."""
         return self._sync().receiver.register()
 
     def pull_weights(self, weights_refs: Sequence[Any], param_names,
@@ -105,16 +87,12 @@ class RankActorApi:
 
     def finalize_weight_update(self, weight_version: Optional[str] = None,
                                flush_cache: bool = True) -> Dict[str, Any]:
-        """End the update on this rank: version, prefix-cache flush, post-load.
-
-        The actor-call spelling of ``/update_weight_version`` +
-        ``/end_weight_update`` (+ a cache flush: its KV was computed with the
-        old weights). Without an open session (the caller only paused
-        generation), it runs the model's post-load processing itself. Call it
-        once per update, after every rank's pulls returned. Raises
-        ``WeightSyncError`` with the rank's message when the update was not a
-        clean one (a broken transfer, two writers of one parameter).
-        """
+        """End the update on this rank: ``/update_weight_version`` +
+        ``/end_weight_update`` + a prefix-cache flush; without an open session
+        it runs the model's post-load processing itself. Call it once per
+        update, after every rank's pulls returned. Raises ``WeightSyncError``
+        when the update was not a clean one (a broken transfer, two writers of
+        one parameter)."""
         return self._sync().finalize(weight_version, flush_cache)
 
     def abort_weight_update(self, reason: str = "update aborted") -> Dict[str, Any]:
@@ -132,10 +110,8 @@ class RankActorApi:
         return {}
 
     def get_weight_sync_stats(self) -> Dict[str, Any]:
-        """Per-update figures of this rank: ``last_update`` (tensors, bytes,
-        seconds, GB/s, transport, writers, parameters updated, weight_version
-        — the same as its log line), ``updates``, ``failures`` by kind and the
-        pull counters."""
+        """Per-update figures of this rank: ``last_update`` (the figures of its
+        log line), ``updates``, ``failures`` by kind and the pull counters."""
         return {**self._sync().stats(), "metrics_enabled": rdt_metrics.enabled()}
 
     def get_parameter_checksums(self) -> Dict[str, str]:
@@ -150,16 +126,14 @@ class RankActorApi:
 
     def release_weight_sync_mappings(self, sender_token: Optional[str] = None) -> int:
         """Close this rank's kept CUDA IPC mappings of one trainer process's
-        memory (``sender_token``; every sender: ``None``). A trainer calls it
-        before it frees memory the rank keeps mapped (``WeightSyncClient``
-        does, on close). Returns how many closed."""
+        memory (``sender_token``; every sender: ``None``), before the trainer
+        frees it. Returns how many closed."""
         return self._sync().release_sender(sender_token)
 
     def open_weight_sync_lane(self, sender_token: str, pid: int = 0) -> Dict[str, Any]:
-        """A same-node call lane for the trainer process ``sender_token``
-        (``same_node.token()`` there, ``pid`` its process id): ``{"address",
-        "secret", "pid", "node_id"}`` (:mod:`.local_lane`). ``WeightSyncClient``
-        opens one to each rank on its node."""
+        """A same-node call lane (:mod:`.local_lane`) for the trainer process
+        ``sender_token`` (``same_node.token()`` there; ``pid`` its process id):
+        ``{"address", "secret", "pid", "node_id"}``."""
         return self._sync().open_lane(sender_token, pid)
 
     def shutdown_weight_sync(self) -> int:
@@ -185,7 +159,7 @@ class RdtWeightSyncMixin(RankActorApi):
         device = get_device()
         self._rdt_gpu_id, self._rdt_device = device.gpu_id, device.device
         safe_point = SafePointQueue()
-        self.scheduler.safe_point_tasks = safe_point  # run by the loop (patch 0011)
+        self.scheduler.safe_point_tasks = safe_point  # run by the scheduler's loop
         self._rdt_idle_sleep = "off"
         if getattr(self.scheduler, "idle_sleeper", None) is not None:
             # --sleep-on-idle: a queued pull or finalize wakes the loop at once

@@ -1,22 +1,17 @@
 """HTTP endpoints that --enable-rdt-weight-sync adds to the Ray HTTP server.
 
-sglang's own lifecycle endpoints (``/pause_generation``,
-``/begin_weight_update``, ``/update_weight_version``, ``/end_weight_update``,
-``/continue_generation``) are *the* way to drive an update (what miles does);
-these add:
+sglang's own lifecycle endpoints (``/pause_generation``, ``/begin_weight_update``,
+``/update_weight_version``, ``/end_weight_update``, ``/continue_generation``)
+drive an update; these add:
 
-    GET  /parallelism_config[?rank=R]  the per-rank layout (the same records the
-                                       engine-info bootstrap server serves)
+    GET  /parallelism_config[?rank=R]  the per-rank layout
     POST /weight_sync/begin   {"lease_s": 300, "drain_timeout_s": 120}
     POST /weight_sync/end     {"weight_version": "7", "flush_cache": true, "session_id": ...}
     POST /weight_sync/abort   {"reason": "...", "session_id": ...}
-    GET  /weight_sync/status  the engine's view: session, consistency, version,
-                              updates, and every rank's own status
+    GET  /weight_sync/status  the session, the engine-wide view and every rank's status
 
-``/weight_sync/*`` is the same lifecycle with a drain and a lease
-(:mod:`sglang.srt.ray.rdt.engine.session`); the update state itself lives in each
-rank (:mod:`sglang.srt.ray.rdt.engine.update_state`), and the engine-wide figures
-below are derived from the ranks, never stored here.
+``/weight_sync/*`` is that lifecycle with a drain and a lease (:mod:`.session`);
+the engine-wide figures are derived from the ranks' own state, never stored here.
 """
 
 from __future__ import annotations
@@ -39,27 +34,21 @@ def engine_view(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The engine-wide figures, derived from every rank's status."""
     bad = [r for r in ranks if not r.get("weights_consistent", True)]
     versions = {r.get("weight_version") for r in ranks}
-    return {
-        "weights_consistent": not bad,
-        "inconsistent_reason": bad[0].get("inconsistent_reason") if bad else None,
-        "weight_version": versions.pop() if len(versions) == 1 else sorted(map(str, versions)),
-        "updates": min((r.get("updates", 0) for r in ranks), default=0),
-        "failed_updates": max((r.get("failed_updates", 0) for r in ranks), default=0),
-    }
+    return {"weights_consistent": not bad,
+            "inconsistent_reason": bad[0].get("inconsistent_reason") if bad else None,
+            "weight_version": versions.pop() if len(versions) == 1 else sorted(map(str, versions)),
+            "updates": min((r.get("updates", 0) for r in ranks), default=0),
+            "failed_updates": max((r.get("failed_updates", 0) for r in ranks), default=0)}
 
 
 async def full_status(session: WeightSyncSession) -> Dict[str, Any]:
     status = session.status()
     try:
-        ranks = await call_ranks_async(
-            session.get_actors(), "get_weight_sync_status", timeout_s=STATUS_RANK_TIMEOUT_S
-        )
+        ranks = await call_ranks_async(session.get_actors(), "get_weight_sync_status",
+                                       timeout_s=STATUS_RANK_TIMEOUT_S)
     except Exception as e:
-        status.update(
-            weights_consistent=False,
-            inconsistent_reason=f"the ranks' status could not be read: {e}",
-            ranks=None,
-        )
+        status.update(weights_consistent=False,
+                      inconsistent_reason=f"the ranks' status could not be read: {e}", ranks=None)
         return status
     status.update(engine_view(ranks), ranks=ranks)
     return status
@@ -67,15 +56,11 @@ async def full_status(session: WeightSyncSession) -> Dict[str, Any]:
 
 def install_weight_sync_routes(app, server_args, launched) -> WeightSyncSession:
     from sglang.srt.entrypoints.server_info_extras import register_server_info_provider
-    from sglang.srt.model_executor.parallelism_config import (
-        current_store,
-        install_parallelism_config_read_route,
-    )
+    from sglang.srt.model_executor.parallelism_config import (current_store,
+                                                              install_parallelism_config_read_route)
 
-    session = WeightSyncSession(
-        launched.tokenizer_manager,
-        lambda: launched.scheduler_init_result.scheduler_actors,
-    )
+    session = WeightSyncSession(launched.tokenizer_manager,
+                                lambda: launched.scheduler_init_result.scheduler_actors)
     install_parallelism_config_read_route(app, current_store)
     # /server_info carries the same status under "weight_sync".
     register_server_info_provider("weight_sync", lambda: full_status(session))
@@ -84,14 +69,10 @@ def install_weight_sync_routes(app, server_args, launched) -> WeightSyncSession:
         try:
             return ORJSONResponse({"success": True, **(await coro)})
         except WeightSyncSessionError as e:
-            return ORJSONResponse(
-                {"success": False, "message": str(e)}, status_code=HTTPStatus.CONFLICT
-            )
+            return ORJSONResponse({"success": False, "message": str(e)}, status_code=HTTPStatus.CONFLICT)
         except Exception as e:
-            return ORJSONResponse(
-                {"success": False, "message": f"{type(e).__name__}: {e}"},
-                status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
-            )
+            return ORJSONResponse({"success": False, "message": f"{type(e).__name__}: {e}"},
+                                  status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
 
     @app.post("/weight_sync/begin")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
@@ -105,21 +86,15 @@ def install_weight_sync_routes(app, server_args, launched) -> WeightSyncSession:
     async def weight_sync_end(request: Request, body: Optional[Dict[str, Any]] = Body(None)):
         body = body or {}
         version = body.get("weight_version")
-        return await call(
-            session.end(
-                None if version is None else str(version),
-                bool(body.get("flush_cache", True)),
-                body.get("session_id"),
-            )
-        )
+        return await call(session.end(None if version is None else str(version),
+                                      bool(body.get("flush_cache", True)), body.get("session_id")))
 
     @app.post("/weight_sync/abort")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def weight_sync_abort(request: Request, body: Optional[Dict[str, Any]] = Body(None)):
         body = body or {}
-        return await call(
-            session.abort(body.get("reason", "update aborted by the trainer"), body.get("session_id"))
-        )
+        return await call(session.abort(body.get("reason", "update aborted by the trainer"),
+                                        body.get("session_id")))
 
     @app.get("/weight_sync/status")
     async def weight_sync_status(request: Request):

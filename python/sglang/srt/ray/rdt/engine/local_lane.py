@@ -1,25 +1,19 @@
 """A rank's same-node call lane: updates from a trainer on its node, without Ray.
 
-A trainer on the rank's node describes its tensors itself — CUDA IPC handles
-of their segments, or host addresses for ``process_vm_readv``
-(``transport/same_node.py``) — and sends that description here, over a Unix
-stream socket served by one thread of the rank's process: no ``ray.put``, no
-Ray actor call (~2.5 ms a round trip on an H200 host; the lane's is ~0.1 ms).
-The rank then runs its core's own pull (:meth:`RankWeightSync.pull_sources`):
-the same safe-point hop, quiescence check, plan, read and bookkeeping as
-``pull_weights``; the lane changes how a request arrives, never what a pull
-checks or records. ``finalize`` and ``abort`` come the same way.
+A trainer on the rank's node describes its tensors itself (CUDA IPC handles
+or host addresses, ``transport/same_node.py``) and sends that description
+over a Unix socket served by one thread of the rank's process: no
+``ray.put``, no Ray actor call (~0.1 ms a call against ~2.5 ms). The rank runs
+its core's own pull (:meth:`RankWeightSync.pull_sources`), with the same
+checks and records as ``pull_weights``; ``finalize`` and ``abort`` come the
+same way. A layout (names, shapes, dtypes) is sent once per connection with
+an id; later requests name the id and carry only where the bytes are.
 
-A layout (names, shapes, dtypes of one request's tensors) is sent once per
-connection with an id; later requests name the id and carry only where the
-bytes are, so a pull of thousands of tensors is a few arrays on the wire and
-one plan lookup on the rank.
-
-Who may call: the socket lives in a fresh 0700 directory (same user only),
-and every request carries the lane's 16-byte secret, checked before the
-request is unpickled. The secret is handed out only by the actor call
-``open_weight_sync_lane``, which Ray's token authentication guards; the
-trainer process that asked is the writer of every pull on its connection.
+Who may call: the socket lives in a fresh 0700 directory, and every request
+carries the lane's 16-byte secret, checked before the request is unpickled.
+The secret is handed out only by the actor call ``open_weight_sync_lane``
+(guarded by Ray's token authentication); the trainer process that asked is
+the writer of every pull on its connection.
 """
 
 from __future__ import annotations

@@ -1,44 +1,19 @@
-"""Metrics of RDT weight sync: Prometheus counters/histograms and one log line per update.
+"""Prometheus metrics of RDT weight sync on a rank.
 
 With ``--enable-metrics`` a SchedulerActor exports, next to sglang's own
-scheduler metrics::
+scheduler metrics and labelled with its ``dp_rank``/``pp_rank``/``tp_rank``:
+``sglang:rdt_weight_pulls_total``, ``sglang:rdt_weight_pull_bytes_total``,
+``sglang:rdt_weight_pull_tensors_total``, ``sglang:rdt_weight_pull_seconds``,
+``sglang:rdt_weight_updates_total``, ``sglang:rdt_weight_update_seconds`` and
+``sglang:rdt_weight_sync_failures_total{kind=...}`` (kinds:
+:data:`FAILURE_KINDS`). They go where sglang's own scheduler metrics of the
+process go: prometheus_client in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``,
+on the server's ``/metrics``), else sglang's Ray wrappers (Ray's metrics
+endpoint, ``ray_`` prefix).
 
-    sglang:rdt_weight_pulls_total{dp_rank="0",pp_rank="0",tp_rank="0"}
-    sglang:rdt_weight_pull_bytes_total / sglang:rdt_weight_pull_tensors_total
-    sglang:rdt_weight_pull_seconds_bucket{le="0.1",...}
-    sglang:rdt_weight_updates_total
-    sglang:rdt_weight_update_seconds_bucket{...}
-    sglang:rdt_weight_sync_failures_total{kind="transfer",...}
-
-Where they appear follows where sglang's own scheduler metrics go:
-
-* ``prometheus`` — the actor runs with ``PROMETHEUS_MULTIPROC_DIR`` (a CLI
-  server, actor on the server's node; see :mod:`sglang.srt.ray.actor_options`):
-  prometheus_client in multiprocess mode, on the server's ``/metrics``;
-* ``ray`` — otherwise (``RayEngine`` in Python, ranks on other nodes): sglang's
-  Ray wrappers (:mod:`sglang.srt.observability.ray_wrappers`), on Ray's
-  metrics endpoint, with Ray's ``ray_`` prefix and ``:`` turned into ``_``.
-
-Everything is off until :func:`configure` is called with ``enabled=True``;
-until then the ``record_*`` functions return at once, so they can be called
-unconditionally::
-
-    from sglang.srt.ray.rdt.engine import metrics as rdt_metrics
-
-    rdt_metrics.configure(server_args.enable_metrics, {"dp_rank": 0, "tp_rank": 1})
-    stats = receiver.pull(refs, names)
-    rdt_metrics.record_pull(stats)           # after every successful pull
-    rdt_metrics.record_failure("transfer")   # when a pull broke mid-way
-    rdt_metrics.record_update(seconds)       # after finalize
-
-Failure ``kind`` values used by the engine: ``"rejected"`` (a pull refused
-before any byte moved: bad names/shapes/dtypes, not quiesced),
-``"conflict"`` (a pull refused because another writer wrote one of its
-parameters in the same update), ``"transfer"`` (a transfer broke mid-way:
-weights inconsistent), ``"finalize"``, ``"abort"``, ``"other"``.
-
-The rank's :class:`~sglang.srt.ray.rdt.engine.update_state.RankUpdateState` is the
-only caller: it records what it owns (pulls, updates, failures) here.
+Everything is off until :func:`configure` turns it on; the ``record_*``
+functions return at once until then. The rank's
+:class:`~.update_state.RankUpdateState` is their only caller.
 """
 
 from __future__ import annotations
@@ -54,8 +29,6 @@ logger = logging.getLogger(__name__)
 # cross-node update of a large model many seconds.
 SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 FAILURE_KINDS = ("rejected", "conflict", "transfer", "finalize", "abort", "other")
-
-LABEL_NAMES = ("dp_rank", "pp_rank", "tp_rank")
 
 
 def _sglang_uses_ray_collectors() -> bool:
@@ -96,21 +69,13 @@ def metric_factories(backend: str) -> Tuple[Callable[..., Any], Callable[..., An
 
 
 class RdtMetrics:
-    """The metric set of one process; ``counter``/``histogram`` build metrics.
+    """The metric set of one process. ``counter(name=, documentation=,
+    labelnames=)`` and ``histogram(..., buckets=)`` build the metrics; they
+    default to the classes of ``backend`` (:func:`default_backend`)."""
 
-    ``counter(name=, documentation=, labelnames=)`` and ``histogram(...,
-    buckets=)`` default to the classes of ``backend`` (see
-    :func:`default_backend`); tests pass fakes.
-    """
-
-    def __init__(
-        self,
-        labels: Optional[Mapping[str, Any]] = None,
-        *,
-        backend: Optional[str] = None,
-        counter: Optional[Callable[..., Any]] = None,
-        histogram: Optional[Callable[..., Any]] = None,
-    ):
+    def __init__(self, labels: Optional[Mapping[str, Any]] = None, *, backend: Optional[str] = None,
+                 counter: Optional[Callable[..., Any]] = None,
+                 histogram: Optional[Callable[..., Any]] = None):
         if counter is None or histogram is None:
             self.backend = backend or default_backend()
             default_counter, default_histogram = metric_factories(self.backend)
@@ -126,22 +91,16 @@ class RdtMetrics:
             return counter(name=name, documentation=doc, labelnames=names + list(extra))
 
         def h(name, doc):
-            return histogram(
-                name=name, documentation=doc, labelnames=names, buckets=SECONDS_BUCKETS
-            )
+            return histogram(name=name, documentation=doc, labelnames=names, buckets=SECONDS_BUCKETS)
 
         self.pulls = c("sglang:rdt_weight_pulls", "RDT weight pulls that completed")
         self.pull_bytes = c("sglang:rdt_weight_pull_bytes", "Bytes written into live parameters by RDT pulls")
         self.pull_tensors = c("sglang:rdt_weight_pull_tensors", "Tensors written into live parameters by RDT pulls")
         self.pull_seconds = h("sglang:rdt_weight_pull_seconds", "Seconds per RDT pull (plan + transfer)")
         self.updates = c("sglang:rdt_weight_updates", "RDT weight updates finalized")
-        self.update_seconds = h(
-            "sglang:rdt_weight_update_seconds",
-            "Seconds from the first pull (or session begin) of an update to its finalize",
-        )
-        self.failures = c(
-            "sglang:rdt_weight_sync_failures", "RDT weight-sync failures by kind", ("kind",)
-        )
+        self.update_seconds = h("sglang:rdt_weight_update_seconds",
+                                "Seconds from the first pull (or session begin) of an update to its finalize")
+        self.failures = c("sglang:rdt_weight_sync_failures", "RDT weight-sync failures by kind", ("kind",))
 
     def _l(self, metric, **extra):
         return metric.labels(**self._labels, **extra) if (self._labels or extra) else metric
@@ -164,23 +123,16 @@ class RdtMetrics:
         self._l(self.failures, kind=kind).inc(1)
 
 
-# --------------------------------------------------------------------------- #
-# Process-wide instance (one SchedulerActor per process)
-# --------------------------------------------------------------------------- #
+# The process-wide instance (one SchedulerActor per process).
 _lock = threading.Lock()
 _metrics: Optional[RdtMetrics] = None
 
 
-def configure(
-    enabled: bool, labels: Optional[Mapping[str, Any]] = None, **factories
-) -> Optional[RdtMetrics]:
-    """Turn the metrics of this process on (``enabled``) or off.
-
-    ``labels`` are attached to every sample, e.g. the rank's
-    ``{"dp_rank": 0, "pp_rank": 0, "tp_rank": 1}``. A failure to create the
-    metrics (no Ray, a name clash) is logged and leaves them off: metrics never
-    break weight sync.
-    """
+def configure(enabled: bool, labels: Optional[Mapping[str, Any]] = None,
+              **factories) -> Optional[RdtMetrics]:
+    """Turn the metrics of this process on (``enabled``) or off; ``labels``
+    go on every sample. A failure to create them (no Ray, a name clash) is
+    logged and leaves them off: metrics never break weight sync."""
     global _metrics
     with _lock:
         if not enabled:
@@ -188,10 +140,8 @@ def configure(
             return None
         try:
             _metrics = RdtMetrics(labels, **factories)
-            logger.info(
-                "[RDT] weight-sync metrics on (%s backend, labels %s)",
-                _metrics.backend, dict(labels or {}),
-            )
+            logger.info("[RDT] weight-sync metrics on (%s backend, labels %s)",
+                        _metrics.backend, dict(labels or {}))
         except Exception as e:
             logger.warning("[RDT] weight-sync metrics disabled: %s: %s", type(e).__name__, e)
             _metrics = None

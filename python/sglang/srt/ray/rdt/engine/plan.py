@@ -1,12 +1,10 @@
 """Where each pulled tensor lands: pure checks over names, shapes and dtypes.
 
-Nothing here talks to Ray or NIXL. :func:`plan_pull` takes the tensor metadata
-of every ref (what the trainer put), the parameter names the caller gave and
-the model's live parameters, and returns the target tensors for each ref — or
-raises :class:`WeightSyncError` before a single byte moves. Ray checks targets
-only after the NIXL handshake and per ref, so a pull of several refs whose
-second ref is wrong would already have written the first one; checking every
-ref here first is what keeps a rejected update from touching any weight.
+:func:`plan_pull` takes the tensor specs of every source, the parameter
+names the caller gave and the live parameters, and returns the targets of
+each source, or raises :class:`WeightSyncError` before a single byte moves:
+every source is checked before any is read, so a rejected pull touches no
+weight. :class:`PlanCache` keeps the plans for the layouts that come again.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 
 import torch
 
-from sglang.srt.ray.rdt.errors import WeightSyncError
+from sglang.srt.ray.rdt.errors import WeightSyncError, close_names, dtype_name
 
 
 class TensorSpec(NamedTuple):
@@ -31,58 +29,40 @@ class TensorSpec(NamedTuple):
         return cls(tuple(int(d) for d in shape), dtype)
 
     def describe(self) -> str:
-        return f"shape={list(self.shape)} dtype={_dtype_name(self.dtype)}"
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
+        return f"shape={list(self.shape)} dtype={dtype_name(self.dtype)}"
 
 
 NamesArg = Union[Sequence[str], Sequence[Sequence[str]]]
 
 
 def group_names(param_names: NamesArg, counts: Sequence[int]) -> List[List[str]]:
-    """Split ``param_names`` into one list per ref.
-
-    Accepted shapes: one flat list in the refs' tensor order (miles' call shape
-    with one ref, or several refs back to back), or one list per ref.
-    """
+    """Split ``param_names`` into one list per ref: one flat list in the
+    refs' tensor order (miles' call shape), or one list per ref."""
     if type(param_names) is list and len(counts) == 1 and len(param_names) == counts[0] and all(
-        type(n) is str for n in param_names
-    ):
+            type(n) is str for n in param_names):
         return [list(param_names)]  # one ref, one flat list of names (miles' call)
     if isinstance(param_names, (str, bytes)) or not isinstance(param_names, abc.Sequence):
         raise WeightSyncError(
-            f"param_names must be a list of names (or one list per ref), got {type(param_names).__name__}"
-        )
+            f"param_names must be a list of names (or one list per ref), got {type(param_names).__name__}")
     total = sum(counts)
-    if param_names and all(
-        isinstance(n, abc.Sequence) and not isinstance(n, (str, bytes)) for n in param_names
-    ):
+    if param_names and all(isinstance(n, abc.Sequence) and not isinstance(n, (str, bytes))
+                           for n in param_names):
         groups = [list(g) for g in param_names]
         if len(groups) != len(counts):
-            raise WeightSyncError(
-                f"got {len(groups)} name lists for {len(counts)} refs; give one list per ref "
-                "or one flat list in the refs' tensor order"
-            )
+            raise WeightSyncError(f"got {len(groups)} name lists for {len(counts)} refs; give one list "
+                                  "per ref or one flat list in the refs' tensor order")
         for i, (g, c) in enumerate(zip(groups, counts)):
             if len(g) != c:
-                raise WeightSyncError(
-                    f"ref {i} holds {c} tensors but {len(g)} names were given for it"
-                    + (f" (first extra name: {g[c]!r})" if len(g) > c else "")
-                )
+                raise WeightSyncError(f"ref {i} holds {c} tensors but {len(g)} names were given for it"
+                                      + (f" (first extra name: {g[c]!r})" if len(g) > c else ""))
     else:
         flat = list(param_names)
         if len(flat) != total:
-            detail = (
-                f"first extra name: {flat[total]!r}" if len(flat) > total
-                else f"the refs' tensors past the names start at index {len(flat)}"
-            )
-            raise WeightSyncError(
-                f"too {'many' if len(flat) > total else 'few'} names: the refs hold "
-                f"{total} tensors ({'+'.join(map(str, counts))}) but {len(flat)} names "
-                f"were given ({detail})"
-            )
+            detail = (f"first extra name: {flat[total]!r}" if len(flat) > total
+                      else f"the refs' tensors past the names start at index {len(flat)}")
+            raise WeightSyncError(f"too {'many' if len(flat) > total else 'few'} names: the refs hold "
+                                  f"{total} tensors ({'+'.join(map(str, counts))}) but {len(flat)} names "
+                                  f"were given ({detail})")
         groups, start = [], 0
         for c in counts:
             groups.append(flat[start : start + c])
@@ -94,11 +74,8 @@ def group_names(param_names: NamesArg, counts: Sequence[int]) -> List[List[str]]
     return groups
 
 
-def plan_pull(
-    specs_per_ref: Sequence[Sequence[TensorSpec]],
-    names_per_ref: Sequence[Sequence[str]],
-    params: Mapping[str, torch.Tensor],
-) -> List[List[torch.Tensor]]:
+def plan_pull(specs_per_ref: Sequence[Sequence[TensorSpec]], names_per_ref: Sequence[Sequence[str]],
+              params: Mapping[str, torch.Tensor]) -> List[List[torch.Tensor]]:
     """Return, per ref, the live tensors the ref's tensors must land in."""
     if not specs_per_ref:
         raise WeightSyncError("empty pull: no refs were given")
@@ -110,48 +87,29 @@ def plan_pull(
         for pos, (spec, name) in enumerate(zip(specs, names)):
             where = f"ref {ref_idx} tensor {pos}"
             if name in seen:
-                raise WeightSyncError(
-                    f"duplicate parameter {name!r} ({seen[name]} and {where}); "
-                    "each parameter may be pulled once per call"
-                )
+                raise WeightSyncError(f"duplicate parameter {name!r} ({seen[name]} and {where}); "
+                                      "each parameter may be pulled once per call")
             seen[name] = where
             param = params.get(name)
             if param is None:
-                raise WeightSyncError(
-                    f"unknown parameter {name!r} ({where}): the rollout model has no "
-                    f"such parameter; {_close_names(name, params)}"
-                )
+                raise WeightSyncError(f"unknown parameter {name!r} ({where}): the rollout model has no "
+                                      f"such parameter; {close_names(name, params)}")
             target = param.data if isinstance(param, torch.nn.Parameter) else param
             if not isinstance(spec.dtype, torch.dtype):
-                raise WeightSyncError(
-                    f"{name!r} ({where}) was put as {spec.describe()}: only torch "
-                    "tensors can be pulled into parameters"
-                )
+                raise WeightSyncError(f"{name!r} ({where}) was put as {spec.describe()}: only torch "
+                                      "tensors can be pulled into parameters")
             actual = TensorSpec(tuple(target.shape), target.dtype)
             if actual.shape != spec.shape or actual.dtype != spec.dtype:
-                raise WeightSyncError(
-                    f"layout mismatch for {name!r} ({where}): the trainer sent "
-                    f"{spec.describe()}, the rollout parameter is {actual.describe()}; "
-                    "send tensors in the rollout layout (dtype and TP shard of this rank)"
-                )
+                raise WeightSyncError(f"layout mismatch for {name!r} ({where}): the trainer sent "
+                                      f"{spec.describe()}, the rollout parameter is {actual.describe()}; "
+                                      "send tensors in the rollout layout (dtype and TP shard of this rank)")
             if not target.is_contiguous():
-                raise WeightSyncError(
-                    f"parameter {name!r} is not contiguous in the rollout model "
-                    f"(strides {list(target.stride())}); RDT can only write into "
-                    "contiguous storage"
-                )
+                raise WeightSyncError(f"parameter {name!r} is not contiguous in the rollout model "
+                                      f"(strides {list(target.stride())}); RDT can only write into "
+                                      "contiguous storage")
             out.append(target)
         targets.append(out)
     return targets
-
-
-def _close_names(name: str, params: Mapping[str, Any], limit: int = 3) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, list(params), n=limit, cutoff=0.6)
-    if close:
-        return "did you mean " + ", ".join(repr(c) for c in close) + "?"
-    return f"it has {len(params)} parameters, e.g. {next(iter(params), None)!r}"
 
 
 def storage_key(t: torch.Tensor) -> tuple:
@@ -171,8 +129,7 @@ def unique_storages(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return out
 
 
-# Pull plans kept (one per bucket layout a trainer sends; miles sends the same
-# few every update).
+# Pull plans kept (one per layout a trainer sends: the same few every update).
 MAX_CACHED_PLANS = 256
 
 
@@ -193,11 +150,9 @@ class CachedPlan:
         self._checks = _layouts(self._params)
 
     def still_live(self) -> bool:
-        """Every target parameter still has the storage and layout it was
-        planned with (``param.data = new`` or a re-allocation changes the
-        address: the old storage cannot be handed out again while the plan
-        holds a view of it; a re-view of the same storage changes shape,
-        dtype or strides)."""
+        """Every target parameter still has the address, shape, dtype and
+        strides it was planned with (the plan's views keep the old storage
+        from being handed out again)."""
         return _layouts(self._params) == self._checks
 
 
@@ -207,17 +162,13 @@ def _layouts(params: Sequence[torch.Tensor]) -> list:
 
 class PlanCache:
     """The live parameters as one walk of the model found them, and the pull
-    plans made against them.
+    plans made against them (a layout seen before reuses its plan).
 
-    A layout (names, shapes, dtypes) seen before reuses its plan. The
-    parameter map is one walk of the model (``get_params()``), taken at the
-    first pull and again at the first pull after anything that may move
-    parameters: after the end of an update (:meth:`mark_stale`: its
-    post-load processing ran) or an sglang weight load, the plans survive
-    the new walk only if it finds every target parameter as it was planned
-    (the same object, storage and layout); memory release/resume,
-    (de)registration and a failed pull drop them (:meth:`forget`). Nothing
-    else moves parameters, so a pull does not look at them again.
+    The model is walked at the first pull and again at the first pull after
+    anything that may move parameters: after an update's end or an sglang
+    weight load (:meth:`mark_stale`) the plans survive the new walk only if
+    every target parameter is as planned; memory release/resume,
+    (de)registration and a failed pull drop them (:meth:`forget`).
     """
 
     def __init__(self, get_params: Callable[[], Mapping[str, torch.Tensor]]):
@@ -262,10 +213,9 @@ class PlanCache:
         return list(self.params)
 
     def plan(self, specs, names, key: Any = None) -> Tuple[CachedPlan, bool, bool]:
-        """The plan of a pull (its targets, bytes and tensor count), whether
-        the model was walked for it, and whether a plan was reused. ``key``:
-        the layout's identity when the caller has one (a lane's layout id),
-        else the names, shapes and dtypes themselves."""
+        """The plan of a pull, whether the model was walked for it, and whether
+        a plan was reused. ``key``: the layout's identity when the caller has
+        one (a lane's layout id), else the names, shapes and dtypes."""
         walked = self.refresh()
         if key is None:
             key = (tuple(map(tuple, names)), tuple(map(tuple, specs)))

@@ -1,25 +1,18 @@
 """The rank core of RDT weight sync: one object per rollout rank.
 
-:class:`RankWeightSync` owns everything a rank knows about weight updates: its
-:class:`~.update_state.RankUpdateState` (open or not, writers, consistency,
-counters), its :class:`~.receiver.RdtWeightReceiver` (registration, plans,
-transfers) and its :class:`~.local_lane.RankLane` (same-node requests); it
-reaches the scheduler only through a :class:`~.scheduler_port.SchedulerPort`,
-so a SchedulerActor (``actor_mixin.py``) and the standalone rank around a
-plain model (``standalone.py``) run this same code.
+:class:`RankWeightSync` owns a rank's :class:`~.update_state.RankUpdateState`,
+its :class:`~.receiver.RdtWeightReceiver` and its :class:`~.local_lane.RankLane`,
+and reaches the scheduler only through a :class:`~.scheduler_port.SchedulerPort`,
+so a SchedulerActor and the standalone rank run the same code. Every call
+that touches the model runs on the scheduler's thread at its safe point, and a
+pull is refused unless generation is paused or a session is open, and no
+batch is running.
 
-No byte lands beside a forward pass: every call that touches the model runs
-on the scheduler's own thread at its safe point
-(:class:`~sglang.srt.managers.scheduler_safe_point.SafePointQueue`), and a
-pull is refused unless the rank is quiesced: generation paused (any mode) or
-a weight-update session open, and no batch running.
-
-Threads: the scheduler's loop thread (every pull, begin, finalize and abort,
-and the walk of the model after an update); Ray's actor threads and the
-lane's thread (they queue that work and wait for it; status and the lane's
-``map`` run on them). Locks, taken in this order: the receiver's lock (plans,
-registrations), the update state's lock (writers, counters; never held while
-taking another), the same-node reader's lock (kept mappings).
+Threads: the scheduler's loop thread runs every pull, begin, finalize and
+abort; Ray's actor threads and the lane's thread queue that work and wait for
+it (status and the lane's ``map`` run on them). Locks, taken in this order:
+the receiver's lock, the update state's lock (never held while taking
+another), the same-node reader's lock.
 """
 
 from __future__ import annotations
@@ -37,11 +30,8 @@ from sglang.srt.ray.rdt.engine.receiver import RdtWeightReceiver
 from sglang.srt.ray.rdt.engine.scheduler_port import SchedulerPort
 from sglang.srt.ray.rdt.engine.sources import sources_of
 from sglang.srt.ray.rdt.engine.update_state import RankUpdateState
-from sglang.srt.ray.rdt.errors import (
-    WeightsInconsistentError,
-    WeightSyncError,
-    WeightUpdateConflictError,
-)
+from sglang.srt.ray.rdt.errors import (WeightsInconsistentError, WeightSyncError, WeightUpdateConflictError,
+                                       dtype_name)
 from sglang.srt.ray.rdt.transport import same_node
 
 logger = logging.getLogger(__name__)
@@ -60,8 +50,7 @@ NOT_QUIESCED = (
 
 
 def failure_kind(exc: BaseException) -> Optional[str]:
-    """The failure ``kind`` of a failed pull that the update state has not
-    counted itself (it counts conflicts and broken transfers)."""
+    """The failure ``kind`` of a failed pull the update state has not counted itself."""
     if isinstance(exc, (WeightsInconsistentError, WeightUpdateConflictError)):
         return None
     if isinstance(exc, WeightSyncError):
@@ -107,27 +96,16 @@ class RankStatus:
 
 
 class RankWeightSync:
-    def __init__(
-        self,
-        port: SchedulerPort,
-        safe_point,
-        *,
-        rank: str = "",
-        device: Optional[torch.device] = None,
-        pull_timeout_s: float = PULL_TIMEOUT_S,
-        registration_disabled_reason: Optional[str] = None,
-        transports: Sequence[str] = ("NIXL",),
-    ):
+    def __init__(self, port: SchedulerPort, safe_point, *, rank: str = "",
+                 device: Optional[torch.device] = None, pull_timeout_s: float = PULL_TIMEOUT_S,
+                 registration_disabled_reason: Optional[str] = None, transports: Sequence[str] = ("NIXL",)):
         self.port = port
         self.device = device
         self.safe_point = safe_point
         self.rank = rank
         self.transports = list(transports)
-        self.state = RankUpdateState(
-            param_names=lambda: self.receiver.param_names(),  # the last walk of the model
-            rank=rank,
-            weight_version=port.weight_version,
-        )
+        self.state = RankUpdateState(param_names=lambda: self.receiver.param_names(), rank=rank,
+                                     weight_version=port.weight_version)
         self.receiver = RdtWeightReceiver(
             lambda: dict(port.named_parameters()), device=device, pull_timeout_s=pull_timeout_s,
             registration_disabled_reason=registration_disabled_reason, state=self.state,
@@ -189,9 +167,8 @@ class RankWeightSync:
 
         budget = (timeout or self.receiver.pull_timeout_s) + SAFE_POINT_TIMEOUT_S
         try:
-            # A /pause_generation that returned has been sent to this rank,
-            # but the scheduler may take it in one loop iteration after this
-            # call reached its safe point: look again for a moment first.
+            # A /pause_generation that returned may reach the scheduler one loop
+            # iteration after this call: look again for a moment first.
             deadline = time.monotonic() + PAUSE_GRACE_S
             while True:
                 out = self.on_scheduler(run, budget)
@@ -211,10 +188,9 @@ class RankWeightSync:
         return self.on_scheduler(lambda: self.receiver.prepare(sources, names, key))
 
     def prepare_next_pull(self) -> None:
-        """If the next pull would walk the model first (an update ended, a
-        load replaced parameters), that walk runs at the scheduler's next
-        safe point instead. Called once an answer has left, so the work is
-        off the critical path of both updates."""
+        """Run the walk of the model the next pull would start with (after an
+        update or a load) at the scheduler's next safe point instead; called
+        once an answer has left, off the critical path."""
         if not self.receiver.needs_refresh():
             self._refresh_posted = False  # walked (here or in a pull): post again next time
             return
@@ -239,10 +215,9 @@ class RankWeightSync:
 
     def finalize(self, weight_version: Optional[str] = None, flush_cache: bool = True,
                  walk_after: bool = True) -> Dict[str, Any]:
-        """End the update: version, the update's end (flush, state), post-load.
-        ``walk_after``: queue the next update's walk of the model now (a
-        caller that runs :meth:`prepare_next_pull` once its answer left,
-        like the lane, passes False)."""
+        """End the update: version, flush, state, post-load. ``walk_after``:
+        queue the next update's walk now (False: the caller runs
+        :meth:`prepare_next_pull` once its answer left, as the lane does)."""
         try:
             out = self.on_scheduler(lambda: self._finalize_here(weight_version, flush_cache))
         except WeightSyncError:
@@ -264,8 +239,7 @@ class RankWeightSync:
         if weight_version is not None:
             self.port.record_weight_version(str(weight_version))
         summary = self._end_update(flush_cache)
-        # sglang's own end (post-load processing); its listener finds the
-        # update ended already.
+        # sglang's own end (post-load); its listener finds the update ended already.
         problem = self.port.end_session() if in_session else self.port.run_post_load()
         if not summary["consistent"] or problem:
             raise WeightSyncError(f"the update ended inconsistent: "
@@ -284,9 +258,8 @@ class RankWeightSync:
         return self.on_scheduler(run)
 
     def _end_update(self, flush: bool) -> Dict[str, Any]:
-        """The update's end (scheduler thread): flush the prefix cache (its KV
-        came from the old weights) when asked and weights were written, close
-        the state, tell the receiver. Returns the state's summary."""
+        """The update's end (scheduler thread): flush the prefix cache when
+        asked and weights were written, close the state. Returns its summary."""
         extra = {}
         if flush and self.state.wrote_weights:
             extra["flushed_cache"] = self.port.flush_cache()
@@ -298,8 +271,7 @@ class RankWeightSync:
         return summary
 
     def _update_ended(self) -> None:
-        # Paused for the next update (miles' way): collection stays off until
-        # generation continues (gc_pause).
+        # Still paused for the next update: collection stays off until generation continues.
         self.receiver.end_of_update(resume_gc=not self.port.paused())
 
     # -- the scheduler's weight events (managers/weight_listeners.py) --------- #
@@ -328,8 +300,7 @@ class RankWeightSync:
 
     def on_generation_continued(self) -> None:
         if self.state.update_kind == "paused":
-            # Pulls under a plain pause that nobody finalized: the weights are
-            # live now, so they get their post-load processing here.
+            # Pulls under a plain pause that nobody finalized: post-load them now.
             logger.info("[RDT] continue_generation ends the update made under the pause")
             self._end_update(flush=True)
             self.port.run_post_load()
@@ -379,11 +350,8 @@ class RankWeightSync:
 
 def parameter_layout(named_parameters) -> Dict[str, Dict[str, Any]]:
     """``{name: {"shape", "dtype", "data_ptr"}}``: what a pull expects."""
-    return {
-        name: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-               "data_ptr": p.data_ptr()}
-        for name, p in named_parameters
-    }
+    return {name: {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "data_ptr": p.data_ptr()}
+            for name, p in named_parameters}
 
 
 def parameter_checksums(named_parameters) -> Dict[str, str]:

@@ -1,22 +1,12 @@
 """The receiving side of RDT weight sync: bytes straight into live parameters.
 
-:class:`RdtWeightReceiver` is what a rank's pull runs. It is independent of
-the scheduler (it gets the parameters from a callable), so it is tested
-around a toy model as well as in a real server. A pull is three steps:
-
-1. **plan** — every source's tensor specs (shape, dtype) against the live
-   parameters (:func:`~sglang.srt.ray.rdt.engine.plan.plan_pull`): names,
-   shapes, dtypes, contiguity of every source before any byte moves; the
-   plan is kept for the next pull of the same layout. Then the rank's
-   :class:`~sglang.srt.ray.rdt.engine.update_state.RankUpdateState` admits
-   the pull (no parameter written by two writers in one update);
-2. **transfer** — each source reads itself into its targets
-   (:mod:`.sources`) and says what it did;
-3. **record** — what landed, from whom, and the pull's figures.
-
-A source that fails after a byte may have landed leaves some parameters
-written and others not: the state then reports the rank's weights as
-inconsistent until a clean update ends.
+:class:`RdtWeightReceiver` runs a rank's pull, independent of the scheduler
+(it gets the parameters from a callable): **plan** every source's tensors
+against the live parameters before any byte moves (:mod:`.plan`), and have
+the update state admit the pull; **transfer**: each source reads itself into
+its targets (:mod:`.sources`); **record** what landed, from whom, and the
+figures. A source that fails after a byte may have landed leaves the rank's
+weights inconsistent until a clean update ends.
 """
 
 from __future__ import annotations
@@ -59,22 +49,15 @@ SLOW_NIXL = (
 class RdtWeightReceiver:
     """Pull sources into the live parameters returned by ``get_params``."""
 
-    def __init__(
-        self,
-        get_params: Callable[[], Mapping[str, torch.Tensor]],
-        *,
-        device: Optional[torch.device] = None,
-        pull_timeout_s: float = PULL_TIMEOUT_S,
-        registration_disabled_reason: Optional[str] = None,
-        registrations: Optional[RegistrationBook] = None,
-        state: Optional[RankUpdateState] = None,
-    ):
+    def __init__(self, get_params: Callable[[], Mapping[str, torch.Tensor]], *,
+                 device: Optional[torch.device] = None, pull_timeout_s: float = PULL_TIMEOUT_S,
+                 registration_disabled_reason: Optional[str] = None,
+                 registrations: Optional[RegistrationBook] = None, state: Optional[RankUpdateState] = None):
         self._get_params = get_params
         self._device = device
         self.pull_timeout_s = pull_timeout_s
-        # Guards the plans, the registrations and _closed/_weights_released;
-        # taken by every pull, prepare and lifecycle call (never while
-        # holding the update state's lock).
+        # Guards the plans, the registrations and _closed/_weights_released
+        # (never taken while holding the update state's lock).
         self._lock = threading.Lock()
         self._closed = False
         self._weights_released = False
@@ -85,9 +68,6 @@ class RdtWeightReceiver:
         # What updates wrote, consistency and counters (the rank's one owner).
         self.state = state or RankUpdateState(param_names=lambda: list(get_params()))
 
-    # ------------------------------------------------------------------ #
-    # Registration and the model's memory
-    # ------------------------------------------------------------------ #
     def register(self) -> Dict[str, Any]:
         reason = self._registration.disabled_reason
         if reason:
@@ -141,11 +121,9 @@ class RdtWeightReceiver:
         gc_pause.resume(GC_HOLDER)
 
     def end_of_update(self, resume_gc: bool = True) -> None:
-        """An update is over. Its post-load processing may have moved
-        parameters: the next pull walks the model again and keeps the plans
-        of parameters that did not move. ``resume_gc=False`` (a rank that
-        stays paused for the next update) keeps automatic garbage collection
-        off until :meth:`release_gc` (:mod:`sglang.srt.ray.rdt.gc_pause`)."""
+        """An update is over: the next pull walks the model again (post-load
+        may have moved parameters). ``resume_gc=False`` (a rank that stays
+        paused) keeps garbage collection off until :meth:`release_gc`."""
         with self._lock:
             self._plans.mark_stale()
         if resume_gc or gc_pause.held_for(GC_HOLDER) > gc_pause.MAX_HOLD_S:
@@ -155,10 +133,9 @@ class RdtWeightReceiver:
         return self._plans.stale
 
     def refresh(self) -> bool:
-        """Do now (scheduler thread, once an update's answer has left) what
-        the next pull would do first: walk the model, keep the plans of
-        unmoved parameters, bring NIXL registrations onto the parameters'
-        storage. Returns whether it walked."""
+        """Do now what the next pull would do first: walk the model, keep the
+        plans of unmoved parameters, update the NIXL registrations. Returns
+        whether it walked."""
         with self._lock:
             if self._closed or self._weights_released:
                 return False
@@ -185,9 +162,6 @@ class RdtWeightReceiver:
                 "weights_released": self._weights_released,
                 "registration_disabled_reason": self._registration.disabled_reason}
 
-    # ------------------------------------------------------------------ #
-    # Pull
-    # ------------------------------------------------------------------ #
     def _check_open(self) -> None:
         if self._closed:
             raise WeightSyncError("the engine is shut down; this rank accepts no more pulls")
@@ -265,8 +239,7 @@ class RdtWeightReceiver:
                       "may hold new bytes and others old ones")
             self.state.transfer_failed(names, reason)
             self._plans.forget()
-            # The collector runs again from here: the failed transfer's objects
-            # (Ray/NIXL transfer handles held by the traceback) must be freed.
+            # The failed transfer's objects (held by the traceback) must be collected.
             gc_pause.resume(GC_HOLDER)
             logger.error("[RDT] %s: %s", reason, e)
             raise WeightsInconsistentError(

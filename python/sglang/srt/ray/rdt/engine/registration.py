@@ -1,12 +1,12 @@
 """Keeping a rank's parameters registered with NIXL, and the memory that cannot be.
 
-:class:`ParameterRegistration` decides when (asked for at connect, kept on the
-parameters' current storage at every pull, dropped and re-made around memory
-release/resume); :class:`RegistrationBook` registers each parameter's storage
-once and re-registers only what moved (weights released and resumed, a model reload);
-memory from PyTorch's ``expandable_segments`` allocator cannot be exported by
-legacy CUDA IPC, which UCX needs for a GPU-to-GPU path: it is detected and
-named before a pull silently crawls over TCP.
+:class:`ParameterRegistration` decides when (asked for by
+``register_weight_for_rdt``, kept on the parameters' current storage at every
+pull, dropped and re-made around memory release/resume);
+:class:`RegistrationBook` registers each storage once and re-registers only
+what moved. Memory of PyTorch's ``expandable_segments`` allocator cannot be
+exported by legacy CUDA IPC, which UCX needs for a GPU path: it is named
+before a pull silently crawls over TCP.
 """
 
 from __future__ import annotations
@@ -19,27 +19,18 @@ import torch
 from sglang.srt.ray.rdt.engine.plan import storage_key, unique_storages
 
 logger = logging.getLogger(__name__)
-
-
 _EXPANDABLE_CHECKED = False
 
 
 def expandable_segment_tensors(tensors, snapshot=None) -> List[torch.Tensor]:
-    """The CUDA tensors that live in expandable (VMM) segments.
-
-    VMM memory cannot be exported through legacy CUDA IPC, and UCX then falls
-    back to TCP (~0.3 GB/s) without an error.
-    """
+    """The CUDA tensors that live in expandable (VMM) segments."""
     cuda = [t for t in tensors if t.is_cuda]
     if not cuda:
         return []
     if snapshot is None:
         snapshot = torch.cuda.memory_snapshot()
-    spans = [
-        (seg["address"], seg["address"] + seg["total_size"])
-        for seg in snapshot
-        if seg.get("is_expandable")
-    ]
+    spans = [(seg["address"], seg["address"] + seg["total_size"])
+             for seg in snapshot if seg.get("is_expandable")]
     if not spans:
         return []
     return [t for t in cuda if any(lo <= t.data_ptr() < hi for lo, hi in spans)]
@@ -57,14 +48,11 @@ def warn_if_expandable_segments(tensors, snapshot=None, *, once: bool = True) ->
     except Exception:  # the allocator cannot tell; nothing to warn about
         return False
     if hits:
-        logger.warning(
-            "[RDT] %d of %d tensors live in CUDA expandable segments "
-            "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): NIXL/UCX cannot "
-            "export them over CUDA IPC and silently falls back to TCP (~0.3 GB/s). "
-            "Unset expandable_segments for the rollout engine and the trainer's "
-            "weight buckets.",
-            len(hits), len(tensors),
-        )
+        logger.warning("[RDT] %d of %d tensors live in CUDA expandable segments "
+                       "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): NIXL/UCX cannot "
+                       "export them over CUDA IPC and silently falls back to TCP (~0.3 GB/s). "
+                       "Unset expandable_segments for the rollout engine and the trainer's "
+                       "weight buckets.", len(hits), len(tensors))
         return True
     return False
 
@@ -73,10 +61,8 @@ class RegistrationBook:
     """NIXL registrations of parameter storage, keyed by (device, address, size).
 
     NIXL keys registrations by address: a stale one (memory freed, re-used or
-    grown) gives NIXL_ERR_NOT_FOUND or, worse, lets a transfer write into
-    memory that now belongs to something else. ``sync`` drops entries whose
-    storage is gone or changed and registers the current ones; ``release_all``
-    drops everything (before weights are released, e.g. by the memory saver).
+    grown) fails a transfer or lets it write memory that now belongs to
+    something else, so ``sync`` drops entries whose storage changed.
     """
 
     def __init__(self, register=None, deregister=None):
@@ -123,16 +109,10 @@ class RegistrationBook:
         return n
 
 
-
 class ParameterRegistration:
-    """Whether a rank's parameters stay registered with NIXL, and on which storage.
-
-    ``register()`` (the trainer's ``register_weight_for_rdt``) asks for it;
-    every pull then keeps the registrations on the parameters' current
-    storage (:meth:`sync_for_pull`), and memory release/resume drops and
-    re-makes them. Any change of the registrations drops the pull plans
-    (``plans.forget()``). Callers hold the receiver's lock.
-    """
+    """Whether a rank's parameters stay registered with NIXL, and on which
+    storage. Any change of the registrations drops the pull plans; callers
+    hold the receiver's lock."""
 
     def __init__(self, get_params, plans, disabled_reason: Optional[str] = None,
                  book: Optional[RegistrationBook] = None):
@@ -178,15 +158,9 @@ class ParameterRegistration:
             logger.info("[RDT] re-registered %d parameter storages after resume", len(self.book))
 
     def sync_for_pull(self, targets, walked: bool, reused: bool) -> None:
-        """Keep the registrations on the parameters' current storage.
-
-        After a fresh walk: compare every parameter's (address, size) with
-        the last sync (post-load processing may have re-allocated any of
-        them). Otherwise only this pull's targets need to be covered: a
-        reused plan's targets did not move since they were covered
-        (``CachedPlan.still_live``; any change of the registrations drops the
-        plans), a new plan's are looked up in the registration book.
-        """
+        """Keep the registrations on the parameters' current storage: after a
+        walk, on every parameter; otherwise only this pull's targets must be
+        covered (a reused plan's targets did not move since)."""
         if not self.wanted or self.book is None:
             return
         book = self.book
@@ -196,8 +170,7 @@ class ParameterRegistration:
 
     def after_walk(self) -> None:
         """Bring the registrations onto every parameter's current storage
-        (after a walk of the model: post-load processing may have
-        re-allocated any of them)."""
+        (after a walk of the model)."""
         if not self.wanted or self.book is None:
             return
         book = self.book

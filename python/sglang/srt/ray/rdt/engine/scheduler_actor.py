@@ -1,10 +1,8 @@
 """The SchedulerActor of an engine started with ``--enable-rdt-weight-sync``.
 
-sglang's own ``SchedulerActor`` (its undecorated class, ``SchedulerActorBase``)
-plus the weight-sync methods (:class:`~.actor_mixin.RdtWeightSyncMixin`),
+sglang's own ``SchedulerActor`` class plus :class:`~.actor_mixin.RdtWeightSyncMixin`,
 declared with ``enable_tensor_transport=True`` so that RDT refs can be passed
-to it. The engine creates its ranks from :data:`RdtSchedulerActor` only with
-the flag (``sglang/srt/ray/engine.py``); without it, from sglang's class as is.
+to it; engines without the flag create sglang's class as is.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """What the rank core needs from a scheduler, and sglang's Scheduler behind it.
 
-:class:`RankWeightSync` (``rank_sync.py``) talks to a rank only through this
-small interface, so it runs the same code in a SchedulerActor and around a
-plain PyTorch model (the GPU benchmark's rank, test doubles). Every reach into
-sglang's scheduler internals lives in :class:`SglangSchedulerPort`.
+:class:`RankWeightSync` talks to a rank only through this interface, so it
+runs the same code in a SchedulerActor and around a plain PyTorch model;
+every reach into sglang's scheduler internals lives in :class:`SglangSchedulerPort`.
 """
 
 from __future__ import annotations

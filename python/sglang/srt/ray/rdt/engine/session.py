@@ -1,31 +1,15 @@
 """The engine's weight-update session: sglang's own lifecycle, plus a drain and a lease.
 
 ``/weight_sync/begin|end|abort`` (and ``RayEngine.begin/end/abort_weight_sync``)
-are another spelling of sglang's weight-update lifecycle — the one miles drives
-with ``/pause_generation`` → ``/begin_weight_update`` → pulls →
-``/update_weight_version`` → ``/end_weight_update`` → ``/continue_generation``.
-They keep no update state of their own: each rank's
-:class:`~sglang.srt.ray.rdt.engine.update_state.RankUpdateState` owns it (what was
-written, consistency, counters), fed by the scheduler's lifecycle events.
-What the session adds:
-
-``begin``
-    takes the tokenizer manager's model-update *writer* lock — it waits until
-    every in-flight request finished and holds new ones back (a drain, where
-    ``pause_generation`` aborts or retracts) — then ``begin_weight_update`` on
-    every rank;
-``end(weight_version)``
-    ``update_weight_version``, ``end_weight_update`` (post-load processing),
-    a cache flush, then releases the lock so requests resume on the complete
-    new weights. A rank that reports a problem with the update (a transfer
-    that broke, two trainers writing one parameter) makes ``end`` fail with
-    its message — after the session is closed;
-``abort``
-    closes the session on every rank without a version bump; ranks that
-    pulled report their weights as inconsistent until a clean update ends.
-
-A session not ended within its lease (the trainer died, say) is aborted by the
-engine itself, so a dead trainer cannot stop serving forever.
+are another spelling of sglang's weight-update lifecycle and keep no update
+state of their own (each rank's :class:`~.update_state.RankUpdateState` does).
+``begin`` takes the tokenizer manager's model-update writer lock (it waits
+for in-flight requests and holds new ones) then runs ``begin_weight_update``
+on every rank; ``end`` sets the weight version, runs ``end_weight_update``
+(post-load), flushes the cache and releases the lock, failing with a rank's
+message when the update was not clean; ``abort`` closes the session on every
+rank without a version bump. A session not ended within its lease is aborted
+by the engine itself, so a dead trainer cannot stop serving forever.
 """
 
 from __future__ import annotations
@@ -43,7 +27,6 @@ from sglang.srt.ray.rdt.ranks import call_ranks_async
 logger = logging.getLogger(__name__)
 
 
-
 class WeightSyncSession:
     """Front-door update session; one per engine, used from its event loop."""
 
@@ -56,11 +39,8 @@ class WeightSyncSession:
         self._lease_task: Optional[asyncio.Task] = None
 
     def status(self) -> Dict[str, Any]:
-        return {
-            "update_open": self._session_id is not None,
-            "session_id": self._session_id,
-            "open_seconds": (time.monotonic() - self._opened_at) if self._opened_at else None,
-        }
+        return {"update_open": self._session_id is not None, "session_id": self._session_id,
+                "open_seconds": (time.monotonic() - self._opened_at) if self._opened_at else None}
 
     async def _lifecycle(self, communicator_name: str, obj) -> None:
         """One of sglang's lifecycle calls on every rank (the writer lock is
@@ -72,65 +52,44 @@ class WeightSyncSession:
         if not success:
             raise WeightSyncSessionError(message)
 
-    # ------------------------------------------------------------------ #
-    async def begin(
-        self,
-        lease_s: float = SESSION_LEASE_S,
-        drain_timeout_s: float = SESSION_DRAIN_TIMEOUT_S,
-    ) -> Dict[str, Any]:
+    async def begin(self, lease_s: float = SESSION_LEASE_S,
+                    drain_timeout_s: float = SESSION_DRAIN_TIMEOUT_S) -> Dict[str, Any]:
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
 
         async with self._mutex:
             if self._session_id is not None:
                 raise WeightSyncSessionError(
-                    f"an update session is already open ({self._session_id}); "
-                    "end or abort it first"
-                )
+                    f"an update session is already open ({self._session_id}); end or abort it first")
             lock = self._tm.model_update_lock
             try:
                 await asyncio.wait_for(lock.acquire_writer(), timeout=drain_timeout_s)
             except asyncio.TimeoutError:
                 raise WeightSyncSessionError(
                     f"in-flight requests did not finish within {drain_timeout_s:.0f} s; "
-                    "nothing was changed (raise drain_timeout_s or abort requests)"
-                ) from None
+                    "nothing was changed (raise drain_timeout_s or abort requests)") from None
             try:
-                await self._lifecycle(
-                    "begin_weight_update_communicator", BeginWeightUpdateReqInput()
-                )
+                await self._lifecycle("begin_weight_update_communicator", BeginWeightUpdateReqInput())
             except BaseException:
                 await lock.release_writer()
                 raise
             self._session_id = uuid.uuid4().hex[:12]
             self._opened_at = time.monotonic()
-            self._lease_task = asyncio.ensure_future(
-                self._expire(self._session_id, lease_s)
-            )
-            logger.info(
-                "[RDT] update session %s open (generation paused, lease %.0f s)",
-                self._session_id, lease_s,
-            )
+            self._lease_task = asyncio.ensure_future(self._expire(self._session_id, lease_s))
+            logger.info("[RDT] update session %s open (generation paused, lease %.0f s)",
+                        self._session_id, lease_s)
             return {"session_id": self._session_id, "lease_s": lease_s}
 
-    async def end(
-        self, weight_version: Optional[str] = None, flush_cache: bool = True,
-        session_id: Optional[str] = None,
-    ) -> Dict[str, Any]:
-        from sglang.srt.managers.io_struct import (
-            EndWeightUpdateReqInput,
-            UpdateWeightVersionReqInput,
-        )
+    async def end(self, weight_version: Optional[str] = None, flush_cache: bool = True,
+                  session_id: Optional[str] = None) -> Dict[str, Any]:
+        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput, UpdateWeightVersionReqInput
 
         async with self._mutex:
             self._check_open(session_id)
             try:
                 if weight_version is not None:
                     await self._tm.update_weight_version(
-                        UpdateWeightVersionReqInput(new_version=str(weight_version))
-                    )
-                await self._lifecycle(
-                    "end_weight_update_communicator", EndWeightUpdateReqInput()
-                )
+                        UpdateWeightVersionReqInput(new_version=str(weight_version)))
+                await self._lifecycle("end_weight_update_communicator", EndWeightUpdateReqInput())
                 flushed = bool((await self._tm.flush_cache()).success) if flush_cache else False
             except WeightSyncSessionError as e:
                 # The ranks closed the session; the update is not a clean one.
@@ -142,30 +101,24 @@ class WeightSyncSession:
                 raise
             seconds = time.monotonic() - self._opened_at
             await self._release()
-            logger.info(
-                "[RDT] update session finalized in %.3f s: weight_version=%s",
-                seconds, weight_version,
-            )
+            logger.info("[RDT] update session finalized in %.3f s: weight_version=%s",
+                        seconds, weight_version)
             return {"success": True, "weight_version": weight_version,
                     "seconds": seconds, "flushed_cache": flushed}
 
-    async def abort(
-        self, reason: str = "update aborted by the trainer", session_id: Optional[str] = None
-    ) -> Dict[str, Any]:
+    async def abort(self, reason: str = "update aborted by the trainer",
+                    session_id: Optional[str] = None) -> Dict[str, Any]:
         async with self._mutex:
             self._check_open(session_id)
             await self._close(reason)
             return self.status()
 
-    # ------------------------------------------------------------------ #
     def _check_open(self, session_id: Optional[str]) -> None:
         if self._session_id is None:
             raise WeightSyncSessionError("no update session is open; call begin first")
         if session_id is not None and session_id != self._session_id:
-            raise WeightSyncSessionError(
-                f"session {session_id} is not the open one ({self._session_id}); it "
-                "was aborted (lease expired?)"
-            )
+            raise WeightSyncSessionError(f"session {session_id} is not the open one ({self._session_id}); it "
+                                         "was aborted (lease expired?)")
 
     async def _close(self, reason: str) -> None:
         """Abort the update on every rank (each marks itself inconsistent if
@@ -189,7 +142,5 @@ class WeightSyncSession:
         async with self._mutex:
             if self._session_id != session_id:
                 return
-            await self._close(
-                f"the update session was not finalized within its {lease_s:.0f} s lease "
-                "(trainer gone?)"
-            )
+            await self._close(f"the update session was not finalized within its {lease_s:.0f} s lease "
+                              "(trainer gone?)")

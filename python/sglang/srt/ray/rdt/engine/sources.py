@@ -1,17 +1,13 @@
 """Where a pull's bytes come from: one small interface, two kinds of source.
 
-A source says who wrote it (:meth:`writer`), what it holds (:meth:`specs`:
-shape and dtype per tensor) and reads itself into the targets the pull
-planned (:meth:`read`), returning what it did as a
+A source says who wrote it (``writer()``), what it holds (``specs()``) and
+reads itself into the targets the pull planned (``read()``), returning a
 :class:`~sglang.srt.ray.rdt.transport.metadata.ReadResult`.
-
-* :class:`RefSource` — an RDT ``ObjectRef`` given to ``pull_weights``. An
-  ``SGLANG_IPC`` ref whose same-node part this process can read is read
-  directly (CUDA IPC or ``process_vm_readv``); every other ref is fetched by
-  Ray (``set_target_for_ref`` + ``ray.get``, i.e. NIXL). Its writer is Ray's
-  own record of who put it: its RDT source actor, or the driver that owns it.
-* :class:`LocalSource` — a same-node description sent on the rank's call lane
-  (``local_lane.py``); its writer is the trainer process that opened the lane.
+:class:`RefSource` is an RDT ``ObjectRef`` given to ``pull_weights``: read
+directly when it is an ``SGLANG_IPC`` ref whose same-node part this process
+can read, else fetched by Ray (NIXL); its writer is its RDT source actor or
+the driver that owns it. :class:`LocalSource` is a same-node description sent
+on the rank's call lane; its writer is the trainer process that opened it.
 """
 
 from __future__ import annotations

@@ -2,13 +2,10 @@
 
 :class:`ModelPort` is a :class:`~.scheduler_port.SchedulerPort` over an
 ``nn.Module`` with its own pause/session flags, and :class:`ServingLoop` a
-thread that serves the safe-point queue between "iterations" the way sglang's
-event loop does. With them, :class:`~.rank_sync.RankWeightSync` runs exactly
-the SchedulerActor's pull path (hop to the loop thread, quiescence check,
-plan, transfer, bookkeeping), and :class:`StandaloneRank` has the
-SchedulerActor's weight-sync API (:class:`~.actor_mixin.RankActorApi`): the
-GPU benchmark's rank and the tests' ranks are this class as a Ray actor.
-It imports nothing of sglang's serving code.
+thread that serves the safe-point queue between "iterations" as sglang's
+event loop does: :class:`~.rank_sync.RankWeightSync` runs the
+SchedulerActor's pull path over them, and :class:`StandaloneRank` has the
+SchedulerActor's weight-sync API (the GPU benchmark's and the tests' rank).
 """
 
 from __future__ import annotations
@@ -95,8 +92,7 @@ class ServingLoop:
         try:
             while not self._stop.is_set():
                 self.queue.run_pending(None)
-                # An idle iteration of a real loop: poll for requests; like
-                # sglang's idle wait, a queued task ends the wait at once.
+                # An idle iteration: poll for requests; a queued task ends the wait.
                 select.select([wake], [], [], self.iteration_s)
         finally:
             self.queue.loop_stopped()

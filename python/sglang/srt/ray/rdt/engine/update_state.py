@@ -1,36 +1,22 @@
 """The weight-update state of one rank: the single owner of everything an update is.
 
-Every way into an update ends up here — sglang's own lifecycle
-(``/pause_generation`` → ``/begin_weight_update`` → ``pull_weights`` ... →
-``/update_weight_version`` → ``/end_weight_update`` → ``/continue_generation``,
-what miles does), the engine's ``/weight_sync/*`` session, ``RayEngine`` and
-``WeightSyncClient`` (which are spellings of that lifecycle), and pulls under a
-plain pause. :class:`RankUpdateState` owns, for its rank:
+Every way into an update ends up here: sglang's own lifecycle (what miles
+drives), the engine's ``/weight_sync/*`` session, ``RayEngine``,
+``WeightSyncClient`` and pulls under a plain pause. :class:`RankUpdateState`
+owns whether an update is in progress and what it wrote (pulls, tensors,
+bytes, transports, who wrote each parameter), whether the served weights are
+consistent and why not, and the counters behind ``get_weight_sync_status``,
+the per-update log line and the metrics. The weight version is sglang's; the
+state reads it when an update ends.
 
-* whether an update is in progress and what it wrote so far (pulls, tensors,
-  bytes, transports, and *who wrote each parameter*);
-* whether the served weights are consistent, and why not;
-* the counters behind ``get_weight_sync_status``/``get_weight_sync_stats``,
-  the per-update log line and the Prometheus metrics.
+A parameter written in one update by two different writers is refused before
+any byte of the second pull lands, and the update is marked conflicting; the
+same writer writing it again (a retry) is allowed and counted. A pull that
+broke mid-transfer makes the rank inconsistent until an update ends in which
+every parameter of that pull was written again and no conflict happened.
 
-The weight version itself is sglang's (``get_serving().weight_version``); the
-state reads it when an update ends and keeps no copy.
-
-**No silent mixes.** A parameter written in an update by one writer (the
-source actor of the RDT object; a driver that put it counts as its worker)
-and then by a *different* writer in the same update is refused before any
-byte of the second pull lands; the update is marked as conflicting, and
-ending it reports the conflict and leaves the rank inconsistent until a clean
-update ends. The same writer writing a parameter again (a retry) is allowed:
-the second write wins, and it is counted.
-
-**Nothing lost.** A pull that broke mid-transfer leaves its parameters in an
-unknown state: the rank is inconsistent from then on. Ending the update makes
-the rank consistent again only if every parameter of a broken pull was written
-again completely afterwards and no conflict happened.
-
-All mutating calls run on the scheduler thread (or the actor's only thread in
-test doubles); a lock makes the status readable from Ray's other threads.
+Mutating calls run on the scheduler thread; a lock makes the status readable
+from Ray's other threads.
 """
 
 from __future__ import annotations
@@ -59,9 +45,6 @@ class Writer:
 
     def __str__(self) -> str:
         return self.label
-
-
-UNKNOWN_WRITER = Writer("unknown", "an unknown writer")
 
 
 @dataclass
@@ -99,14 +82,9 @@ class RankUpdateState:
         clock: seconds, monotonic (tests pass a fake one).
     """
 
-    def __init__(
-        self,
-        *,
-        param_names: Optional[Callable[[], Sequence[str]]] = None,
-        rank: str = "",
-        weight_version: Optional[Callable[[], Optional[str]]] = None,
-        clock: Callable[[], float] = time.perf_counter,
-    ):
+    def __init__(self, *, param_names: Optional[Callable[[], Sequence[str]]] = None, rank: str = "",
+                 weight_version: Optional[Callable[[], Optional[str]]] = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self._param_names = param_names
         self.rank = rank
         self._weight_version = weight_version or (lambda: None)
@@ -119,14 +97,9 @@ class RankUpdateState:
         self.failed_updates = 0  # ended with a problem, or aborted
         self.failures: Dict[str, int] = {}
         self.last_update: Optional[Dict[str, Any]] = None
-        self.totals: Dict[str, Any] = {
-            "pulls": 0, "failed_pulls": 0, "tensors": 0, "bytes": 0, "seconds": 0.0,
-            "last_pull": None,
-        }
+        self.totals: Dict[str, Any] = {"pulls": 0, "failed_pulls": 0, "tensors": 0, "bytes": 0,
+                                       "seconds": 0.0, "last_pull": None}
 
-    # ------------------------------------------------------------------ #
-    # Lifecycle events
-    # ------------------------------------------------------------------ #
     @property
     def update_open(self) -> bool:
         return self._update is not None
@@ -143,10 +116,8 @@ class RankUpdateState:
         return u is not None and u.touched
 
     def begin(self) -> None:
-        """sglang's ``begin_weight_update`` opened a session on this rank.
-
-        Pulls already made under a plain pause stay part of this update.
-        """
+        """sglang's ``begin_weight_update`` opened a session on this rank
+        (pulls already made under a plain pause stay part of this update)."""
         with self._lock:
             if self._update is not None and self._update.kind == "paused":
                 self._update.kind = "session"
@@ -160,12 +131,8 @@ class RankUpdateState:
 
     def admit(self, writes: Sequence[Tuple[Sequence[str], Writer]]) -> None:
         """Check, before any byte moves, that each ``(names, writer)`` of a
-        pull may be written.
-
-        Raises :class:`WeightUpdateConflictError` naming the parameter and both
-        writers if another writer already wrote one of them in this update;
-        the update is then marked as conflicting.
-        """
+        pull may be written; :class:`WeightUpdateConflictError` (naming the
+        parameter and both writers) if another writer wrote one in this update."""
         with self._lock:
             u = self._current()
             for names, writer in writes:
@@ -178,13 +145,11 @@ class RankUpdateState:
 
     def _conflict(self, u: _Update, name: str, prev: Writer, writer: Writer) -> None:
         message = (
-            f"parameter {name!r} was already written in this update by "
-            f"{prev.label}; refusing the pull from {writer.label}. Two "
-            "writers must not write the same parameter in one update (a "
-            "restarted trainer whose old process still runs, or two jobs "
-            "pointed at one engine?). Nothing of this pull was written; the "
-            "update is marked inconsistent: end or abort it, then run a "
-            "clean update from one trainer"
+            f"parameter {name!r} was already written in this update by {prev.label}; refusing the "
+            f"pull from {writer.label}. Two writers must not write the same parameter in one update "
+            "(a restarted trainer whose old process still runs, or two jobs pointed at one engine?). "
+            "Nothing of this pull was written; the update is marked inconsistent: end or abort it, "
+            "then run a clean update from one trainer"
         )
         if u.conflict is None:
             u.conflict = message
@@ -193,9 +158,7 @@ class RankUpdateState:
         logger.error("[RDT]%s %s", self._where(), message)
         raise WeightUpdateConflictError(message)
 
-    def landed(
-        self, writes: Sequence[Tuple[Sequence[str], Writer]], stats: Dict[str, Any]
-    ) -> None:
+    def landed(self, writes: Sequence[Tuple[Sequence[str], Writer]], stats: Dict[str, Any]) -> None:
         """A pull completed: each ``(names, writer)`` landed (``stats``: its figures)."""
         with self._lock:
             u = self._current()
@@ -234,15 +197,10 @@ class RankUpdateState:
             self._mark_inconsistent(reason)
             self._fail("transfer")
 
-    def rejected(self) -> None:
-        """A pull was refused before any byte moved (bad call, not quiesced)."""
-        self._fail("rejected")
-
     def end(self, **extra: Any) -> Dict[str, Any]:
         """The update ends (``end_weight_update``, finalize, or continue after
-        a plain pause). Returns its summary — the per-update log line's
-        figures; ``summary["conflict"]`` / ``summary["consistent"]`` say
-        whether the rank serves a clean update now."""
+        a plain pause). Returns its summary: the per-update log line's figures
+        and whether the rank serves a clean update now (``consistent``)."""
         with self._lock:
             u = self._update or _Update(kind="session", started=self._clock())
             self._update = None
@@ -251,10 +209,8 @@ class RankUpdateState:
             total = None if names is None else len(names)
             problem = u.conflict
             if problem is None and u.broken:
-                problem = (
-                    f"{len(u.broken)} parameters of a transfer that broke in this update "
-                    f"were not written again (e.g. {sorted(u.broken)[0]!r})"
-                )
+                problem = (f"{len(u.broken)} parameters of a transfer that broke in this update "
+                           f"were not written again (e.g. {sorted(u.broken)[0]!r})")
             if problem is None:
                 self._consistent, self._reason = True, None
             else:
@@ -310,32 +266,18 @@ class RankUpdateState:
         """Count a failure of another kind (e.g. ``"finalize"``)."""
         self._fail(kind)
 
-    # ------------------------------------------------------------------ #
-    # Reading
-    # ------------------------------------------------------------------ #
     @property
     def consistent(self) -> bool:
         return self._consistent
-
-    @property
-    def inconsistent_reason(self) -> Optional[str]:
-        return self._reason
 
     def in_progress(self) -> Optional[Dict[str, Any]]:
         with self._lock:
             u = self._update
             if u is None:
                 return None
-            return {
-                "kind": u.kind,
-                "pulls": u.pulls,
-                "tensors": u.tensors,
-                "bytes": u.bytes,
-                "params_written": len(u.writers),
-                "writers": len({w.id for w in u.writers.values()}),
-                "rewrites": u.rewrites,
-                "conflict": u.conflict,
-            }
+            return {"kind": u.kind, "pulls": u.pulls, "tensors": u.tensors, "bytes": u.bytes,
+                    "params_written": len(u.writers), "writers": len({w.id for w in u.writers.values()}),
+                    "rewrites": u.rewrites, "conflict": u.conflict}
 
     def status(self) -> Dict[str, Any]:
         """What ``get_weight_sync_status`` reports about updates."""
@@ -353,7 +295,6 @@ class RankUpdateState:
                 **{k: v for k, v in self.totals.items()},
             }
 
-    # ------------------------------------------------------------------ #
     def _mark_inconsistent(self, reason: str) -> None:
         self._consistent, self._reason = False, reason
 

@@ -1,31 +1,24 @@
 """What a weight update sends, in which group: pure planning for the trainer side.
 
-Nothing here talks to Ray, NIXL or a GPU. ``WeightSyncClient.update`` uses
-these to
-
-1. take what the trainer gives — one mapping for every rank, ``{rank:
-   mapping}`` (ranks given the same mapping object share one rank group: DP
-   replicas of one TP shard), or an iterator of ``(name, tensor)`` that makes
-   each tensor as it is consumed (:func:`split_payloads`);
-2. cut each rank group's tensors, in order, into *groups* of at most a
-   number of bytes (:func:`cut`): one transfer each, at most two in flight, so
-   an iterator's tensors are alive two groups' worth at a time;
-3. check every group's names, shapes and dtypes against each rank's live
-   parameters (:func:`check_tensors`), once per layout (:class:`LayoutBook`);
-4. lay a *step* — group ``k`` of every rank group — out in one bucket slot
-   (:func:`slot_layout`) when the bytes are copied into the client's slots.
+Nothing here talks to Ray, NIXL or a GPU. ``WeightSyncClient.update`` takes
+what the trainer gives (one mapping for every rank, ``{rank: mapping}`` whose
+equal mappings share a rank group, or an iterator of ``(name, tensor)``:
+:func:`split_payloads`), cuts each rank group's tensors into groups of at
+most a number of bytes (:func:`cut`; one transfer each, at most two in
+flight), checks every group against each rank's live parameters once per
+layout (:class:`LayoutBook`) and lays a step (group ``k`` of every rank
+group) out in one bucket slot (:func:`slot_layout`).
 """
 
 from __future__ import annotations
 
-import difflib
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
-from sglang.srt.ray.rdt.errors import WeightSyncError
+from sglang.srt.ray.rdt.errors import WeightSyncError, close_names, dtype_name
 
 # Offsets inside a slot are multiples of this (every dtype's alignment, a cache line).
 ALIGN = 256
@@ -33,11 +26,6 @@ ALIGN = 256
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
-
-
-def dtype_name(dtype: Any) -> str:
-    """``torch.float32`` / ``"torch.float32"`` / ``"float32"`` -> ``"float32"``."""
-    return str(dtype).replace("torch.", "")
 
 
 def describe_bytes(n: float) -> str:
@@ -48,9 +36,6 @@ def describe_bytes(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
-# --------------------------------------------------------------------------- #
-# What the trainer gives
-# --------------------------------------------------------------------------- #
 def _checked(name, t):
     if not isinstance(t, torch.Tensor):
         raise WeightSyncError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
@@ -119,9 +104,6 @@ def split_payloads(named, n_ranks: int):
         rank_groups
 
 
-# --------------------------------------------------------------------------- #
-# Groups
-# --------------------------------------------------------------------------- #
 @dataclass
 class Group:
     """Consecutive tensors of one rank group, sent in one transfer."""
@@ -140,9 +122,8 @@ class Group:
 
 def cut(items: Iterable[Tuple[str, torch.Tensor]], group_bytes: int) -> Iterator[Group]:
     """Cut ``(name, tensor)`` pairs, in order, into groups of at most
-    ``group_bytes`` (a larger tensor gets a group of its own); a group is
-    handed out as soon as it is complete. Each tensor is checked (a tensor,
-    no autograd history kept) as it passes."""
+    ``group_bytes`` (a larger tensor gets a group of its own), each handed
+    out as soon as it is complete; each tensor is checked as it passes."""
     if group_bytes <= 0:
         raise ValueError(f"group_bytes must be positive, got {group_bytes}")
     current = Group(0)
@@ -197,17 +178,6 @@ def slot_layout(step: Sequence[Tuple[int, Group]]) -> Tuple[List[List[int]], int
     return offsets, at
 
 
-# --------------------------------------------------------------------------- #
-# Layout checks
-# --------------------------------------------------------------------------- #
-def _close(name: str, candidates: Iterable[str]) -> str:
-    candidates = list(candidates)
-    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
-    if close:
-        return "did you mean " + ", ".join(repr(c) for c in close) + "?"
-    return f"it has {len(candidates)} parameters, e.g. {next(iter(candidates), None)!r}"
-
-
 def check_tensors(names: Sequence[str], shapes, dtypes, layout: Mapping[str, Mapping[str, Any]],
                   rank: str) -> None:
     """Raise :class:`WeightSyncError` unless every tensor fits the rank's
@@ -215,7 +185,7 @@ def check_tensors(names: Sequence[str], shapes, dtypes, layout: Mapping[str, Map
     for name, shape, dtype in zip(names, shapes, dtypes):
         want = layout.get(name)
         if want is None:
-            raise WeightSyncError(f"{rank} has no parameter {name!r}; {_close(name, layout)} "
+            raise WeightSyncError(f"{rank} has no parameter {name!r}; {close_names(name, layout)} "
                                   "Send the rollout model's parameter names (get_parameter_layout()).")
         want_shape = tuple(int(d) for d in want["shape"])
         want_dtype, got_dtype = dtype_name(want["dtype"]), dtype_name(dtype)
@@ -244,8 +214,7 @@ def check_strict(sent: Iterable[str], layout: Mapping[str, Any], rank: str) -> N
 class LayoutBook:
     """Which layouts passed the checks: per (rank group, group index) the
     names, shapes and dtypes last seen and their layout id. A group equal to
-    the last one (new tensors of the same layout, as a trainer makes every
-    step) is not checked again; its id is what the ranks' lanes know it by."""
+    the last one is not checked again; its id is what the lanes know it by."""
 
     def __init__(self):
         self._last: Dict[Tuple[int, int], tuple] = {}

@@ -1,7 +1,6 @@
 """Push new weights from a trainer into a running SGLang engine over RDT, in one call.
 
-:class:`WeightSyncClient` is what a trainer (plain PyTorch, FSDP, verl,
-OpenRLHF, miles, ...) uses from any Ray job::
+:class:`WeightSyncClient` is what a trainer uses from any Ray job::
 
     from sglang.srt.ray.rdt import WeightSyncClient
 
@@ -14,23 +13,11 @@ OpenRLHF, miles, ...) uses from any Ray job::
     client.close()
 
 An update checks every name, shape and dtype against each rank's live
-parameters before its bytes move, opens the engine's update session, sends
-the tensors in groups of ``bucket_bytes`` (two in flight) and ends the session
-with the new ``weight_version`` (:mod:`.update`). Ranks on this node read the
-trainer's own GPU tensors in place over their call lanes; others read copies
-in the client's two bucket slots. Any failure aborts the session; a failing
-rank raises one :class:`WeightSyncRankError` naming it.
-
-Tensors must be in the rollout layout (the rollout model's parameter names,
-dtypes and shapes): one mapping (or iterator) for every rank with TP 1,
-``{rank: mapping}`` with TP > 1 (the same mapping object for ranks that take
-the same tensors), or ``layout="hf"`` with one unsharded Hugging Face state
-dict that sglang's own loaders reshard per rank (:mod:`.hf_reshard`).
-
-What stays of the caller's after ``update()`` returns: nothing. New GPU
-tensors every step cost what fixed ones do when they live in the client's
-staging pool (:mod:`.staging`): a generator passed to ``update()`` is consumed
-inside it; tensors built before the call are built inside ``client.staging()``.
+parameters before its bytes move, then runs the engine's update session
+(:mod:`.update`). Ranks on this node read the trainer's own GPU tensors in
+place over their call lanes; others read copies in the client's two bucket
+slots. Tensors are in the rollout layout (``{rank: mapping}`` with TP > 1), or
+one unsharded Hugging Face state dict with ``layout="hf"`` (:mod:`.hf_reshard`).
 """
 
 from __future__ import annotations
@@ -39,8 +26,7 @@ import contextlib
 import itertools
 import logging
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -50,6 +36,7 @@ from sglang.srt.ray.rdt.ranks import gather, settle, unfinished
 from sglang.srt.ray.rdt.trainer import buckets, staging
 from sglang.srt.ray.rdt.trainer.discovery import RankInfo, ensure_ray, find_ranks
 from sglang.srt.ray.rdt.trainer.lane import Lanes
+from sglang.srt.ray.rdt.trainer.route import Route, decide_route
 from sglang.srt.ray.rdt.trainer.sender import SenderLink, release_rank_mappings
 from sglang.srt.ray.rdt.trainer.sessions import make_session
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
@@ -59,7 +46,6 @@ __all__ = ["WeightSyncClient", "WeightSyncRankError", "UpdateStats", "BucketStat
 
 logger = logging.getLogger(__name__)
 
-NamedTensors = Union[Mapping[str, torch.Tensor], Iterator]
 # Calls that go over a rank's lane when it has one: (lane op, its arguments).
 _LANE_OPS: Dict[str, Tuple[str, Callable[..., Dict[str, Any]]]] = {
     "finalize_weight_update": ("finalize", lambda v=None, f=True: {"weight_version": v, "flush_cache": f}),
@@ -67,23 +53,12 @@ _LANE_OPS: Dict[str, Tuple[str, Callable[..., Dict[str, Any]]]] = {
 }
 
 
-@dataclass
-class Route:
-    """How an update reaches each rank (:meth:`WeightSyncClient.route`)."""
-
-    direct: bool  # the ranks read the trainer's own tensors (else: bucket slots)
-    lanes: Set[int] = field(default_factory=set)  # ranks reached over their call lane
-    ref_transport: Optional[str] = None  # how slot refs are put for the other ranks
-    why_not_direct: Optional[str] = None
-
-
 class WeightSyncClient:
     """Drive RDT weight updates of one SGLang engine from a trainer.
 
-    Build it with :meth:`connect` (rebuild the engine's actor names from its
-    port, namespace and layout — any Ray job of the cluster), :meth:`from_engine`
-    (an in-process ``RayEngine``) or the constructor (actor handles, e.g. from
-    ``launch_engine``, plus ``url=`` or ``engine=`` for the update session).
+    Build it with :meth:`connect` (from the engine's port, namespace and
+    layout, in any Ray job of the cluster), :meth:`from_engine` (an in-process
+    ``RayEngine``) or the constructor (actor handles plus ``url=`` or ``engine=``).
 
     Args:
         actors: the SchedulerActor handles, in global rank order.
@@ -91,8 +66,8 @@ class WeightSyncClient:
         url: the engine's HTTP address: the session is ``POST /weight_sync/*``.
         engine: a ``RayEngine`` (``begin/end/abort_weight_sync``) instead.
             With neither, the caller must have paused generation
-            (``/pause_generation``): ranks refuse pulls otherwise; the client
-            then finalizes (``finalize_weight_update``) or aborts each rank.
+            (``/pause_generation``); the client then finalizes
+            (``finalize_weight_update``) or aborts each rank.
         bucket_bytes: the size of one group of an update (one transfer; two
             are in flight) and of each of the two bucket slots. Default: 1 GiB
             for CUDA tensors, 256 MiB for host memory.
@@ -101,23 +76,21 @@ class WeightSyncClient:
             engine's ``--rdt-pull-timeout``).
         lease_s: the engine aborts a session not ended within this many seconds.
         call_timeout_s: bound on every other call (register, layout, session).
-        sender: ``"local"`` or None: the bucket slots live in this process
-            (a Ray actor or driver).
+        sender: ``"local"`` or None: the bucket slots live in this process.
         transport: how ranks without a lane pull slot refs: ``"auto"``
             (``"SGLANG_IPC"`` when every such rank accepts it, else ``"nixl"``),
             ``"SGLANG_IPC"`` or ``"nixl"`` (every rank, no lanes). NIXL is
-            refused for a rank on the trainer's own GPU (UCX crawls there
-            through TCP, ~0.5 GB/s).
+            refused for a rank on the trainer's own GPU (UCX falls back to TCP there).
         export: ``"auto"``: ranks on this node that see the trainer's GPU read
-            its CUDA tensors in place (no copy, no slot memory); otherwise
-            buckets. ``"direct"``: read in place — host-memory tensors too —
-            or fail before anything moves, saying why. ``"buckets"``: always copy.
+            its CUDA tensors in place; otherwise buckets. ``"direct"``: read in
+            place (host-memory tensors too) or fail before anything moves,
+            saying why. ``"buckets"``: always copy.
         lane: reach ranks on this node over their call lane (a Unix socket:
             ~0.1 ms a call against ~2.5 ms for a Ray actor call). False: Ray
             calls and slot refs only.
-        staging: keep a staging pool on the GPU (:mod:`.staging`), in which
-            generators passed to ``update()`` make their tensors and bucket
-            slots live, so ranks keep their mappings of it across updates.
+        staging: keep a staging pool on the GPU (:mod:`.staging`) for the
+            tensors of generators passed to ``update()`` and the bucket slots,
+            so ranks keep their mappings of it across updates.
     """
 
     def __init__(
@@ -182,9 +155,6 @@ class WeightSyncClient:
         self._hf_resharder = None
         self._busy = threading.Lock()
 
-    # ------------------------------------------------------------------ #
-    # Construction
-    # ------------------------------------------------------------------ #
     @classmethod
     def connect(cls, port: int, *, namespace: str, node_ip: Optional[str] = None,
                 host: str = "127.0.0.1", dp_size: int = 1, tp_size: int = 1, pp_size: int = 1,
@@ -218,37 +188,29 @@ class WeightSyncClient:
         """Use an in-process ``RayEngine`` (``enable_rdt_weight_sync=True``)."""
         return cls(engine.get_scheduler_actors(), engine=engine, **kwargs)
 
-    # ------------------------------------------------------------------ #
-    # Calls on every rank
-    # ------------------------------------------------------------------ #
     def gather(self, calls, phase: str, timeout_s: float) -> Dict[int, Any]:
         """Wait for ``[(rank, call)]``; one :class:`WeightSyncRankError` if any failed."""
         return gather(calls, phase, timeout_s, lambda rank: self.ranks[rank].name)
 
-    def _call_all(self, method: str, *args, timeout_s: Optional[float] = None,
-                  only: Optional[Sequence[int]] = None) -> List[Any]:
-        ranks = self.ranks if only is None else [self.ranks[i] for i in only]
+    def _call_all(self, method: str, *args) -> List[Any]:
         calls = []
-        for r in ranks:
+        for r in self.ranks:
             link = self.lanes.link(r.index) if method in _LANE_OPS else None
             if link is not None:
                 op, kwargs = _LANE_OPS[method]
                 calls.append((r.index, link.send(op, kwargs(*args))))
             else:
                 calls.append((r.index, getattr(r.actor, method).remote(*args)))
-        out = self.gather(calls, method, timeout_s or self.call_timeout_s)
-        return [out[r.index] for r in ranks]
+        out = self.gather(calls, method, self.call_timeout_s)
+        return [out[r.index] for r in self.ranks]
 
     def register(self, named_tensors: Optional[Mapping[str, torch.Tensor]] = None) -> List[Dict[str, Any]]:
-        """Pin every rank's parameters with NIXL once, open the call lanes
-        and choose how updates travel. Idempotent. Returns each rank's
-        ``register_weight_for_rdt()`` result.
-
-        ``named_tensors`` (a mapping, as for :meth:`update`): the tensors later
-        updates will send, checked now; the ranks plan their pulls and map
-        what stays mapped (tensors in the staging pool), writing nothing, so
-        the first update costs what later ones do.
-        """
+        """Pin every rank's parameters with NIXL once, open the call lanes and
+        choose how updates travel (idempotent); returns each rank's
+        ``register_weight_for_rdt()``. ``named_tensors`` (a mapping, as for
+        :meth:`update`): the tensors later updates will send, checked now; the
+        ranks plan their pulls and map what stays mapped, writing nothing, so
+        the first update costs what later ones do."""
         out = self._call_all("register_weight_for_rdt")
         self.parameter_layouts(refresh=True)
         self._statuses = None
@@ -272,8 +234,7 @@ class WeightSyncClient:
 
     def _warm_pool(self) -> None:
         """Grow the staging pool to what a streamed update holds (two groups)
-        and have the ranks map it now: the first update's tensors are carved
-        from it, so it costs what later ones do."""
+        and have the ranks map it now."""
         from sglang.srt.ray.rdt.transport import same_node
 
         with self.staging():
@@ -293,8 +254,7 @@ class WeightSyncClient:
         for step in steps:
             for rg, group in step:
                 meta = same_node.export(group.tensors, with_specs=False)
-                calls += [(r, self.lanes.pull(r, group, meta, None, prepare=True))
-                          for r in rank_groups[rg]]
+                calls += [(r, self.lanes.pull(r, group, meta, None, prepare=True)) for r in rank_groups[rg]]
         self.gather(calls, "prepare_pull_weights", self.call_timeout_s)
         for r, call in calls:
             self.lanes.defined(r, call)
@@ -314,72 +274,17 @@ class WeightSyncClient:
         self._statuses = self._call_all("get_weight_sync_status")
         return self._statuses
 
-    # ------------------------------------------------------------------ #
-    # How updates travel
-    # ------------------------------------------------------------------ #
     def route(self) -> Route:
         """Which ranks get lane calls, whether they read the trainer's own
         tensors, and how slot refs are put for the others (cached until a
-        lane breaks or :meth:`register` runs)."""
+        lane breaks or :meth:`register` runs; :mod:`.route`)."""
         if self._route is not None and all(self.lanes.link(r) for r in self._route.lanes):
             return self._route
         statuses = self._statuses if self._statuses is not None else self.status()
         self.lanes.open(self.ranks, statuses, self.call_timeout_s)
         lanes = {r.index for r in self.ranks if self.lanes.link(r.index) is not None}
-        others = [r for r in self.ranks if r.index not in lanes]
-        ref_transport = None
-        if others:
-            accepts = all(SGLANG_IPC in (statuses[r.index].get("transports") or []) for r in others)
-            if self.transport == SGLANG_IPC and not accepts:
-                raise WeightSyncError("transport='SGLANG_IPC', but not every rank accepts it "
-                                      "(get_weight_sync_status()['transports'])")
-            ref_transport = SGLANG_IPC if self.transport != "nixl" and accepts else "nixl"
-            if ref_transport == "nixl":
-                self._refuse_nixl_on_this_gpu([statuses[r.index] for r in others],
-                                              [r.label() for r in others])
-        why = self._why_not_direct(statuses, lanes)
-        if why is not None and self.export == "direct":
-            raise WeightSyncError(f"export='direct': the ranks cannot read this trainer's tensors "
-                                  f"in place ({why}); nothing was sent")
-        self._route = Route(why is None, lanes, ref_transport, why)
-        logger.info("[RDT] weight-sync route: %s, %d of %d ranks over lanes%s",
-                    "direct" if why is None else f"buckets ({why})", len(lanes), len(self.ranks),
-                    f", refs over {ref_transport}" if ref_transport else "")
+        self._route = decide_route(self.ranks, statuses, lanes, self.transport, self.export, self.device_obj)
         return self._route
-
-    def _trainer_gpu(self) -> Optional[Tuple[str, str]]:
-        if self.device_obj.type != "cuda":
-            return None
-        from sglang.srt.ray.rdt.transport import same_node
-        from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
-
-        return same_node.node_id(), device_uuid(self.device_obj.index)
-
-    def _why_not_direct(self, statuses, lanes: Set[int]) -> Optional[str]:
-        if self.export == "buckets":
-            return "export='buckets'"
-        missing = [self.labels[i] for i in range(len(self.ranks)) if i not in lanes]
-        if missing:
-            return f"{', '.join(missing)} cannot be reached over a same-node lane"
-        gpu = self._trainer_gpu()
-        if gpu is None:
-            return None if self.export == "direct" else "host-memory tensors are read in place " \
-                "only with export='direct'"
-        for st, label in zip(statuses, self.labels):
-            if gpu[1] not in ((st.get("ipc_reach") or {}).get("gpus") or []):
-                return f"{label} does not see this trainer's GPU {gpu[1]}"
-        return None
-
-    def _refuse_nixl_on_this_gpu(self, statuses, labels) -> None:
-        gpu = self._trainer_gpu()
-        shared = [label for st, label in zip(statuses, labels) if gpu is not None
-                  and (st.get("ipc_reach") or {}).get("node_id") == gpu[0]
-                  and st.get("device_uuid") == gpu[1]]
-        if shared:
-            raise WeightSyncError(
-                f"{', '.join(shared)} run(s) on this trainer's GPU, and NIXL cannot move bytes "
-                "between two processes of one GPU (UCX falls back to TCP over loopback: ~0.5 GB/s "
-                "measured on an H200). Use transport='auto' or 'SGLANG_IPC' (CUDA IPC) with lane=True.")
 
     def staging_pool(self):
         """The staging pool on the client's GPU (None on the CPU or with staging=False)."""
@@ -396,9 +301,6 @@ class WeightSyncClient:
         with pool.allocating() if pool is not None else contextlib.nullcontext():
             yield
 
-    # ------------------------------------------------------------------ #
-    # Update
-    # ------------------------------------------------------------------ #
     def update(self, named_tensors, *, version: Optional[str] = None,
                bucket_bytes: Optional[int] = None, strict: bool = False, flush_cache: bool = True,
                progress: Optional[Callable[[BucketStats, int, Optional[int]], None]] = None,
@@ -460,24 +362,21 @@ class WeightSyncClient:
             self.stuck.remove(flight)
 
     def hf_resharder(self, model_path: Optional[str] = None):
-        """The :class:`~sglang.srt.ray.rdt.trainer.hf_reshard.HFResharder` of
-        this engine, built once from its ``/server_info`` and each rank's
-        ``/parallelism_config?rank=R`` (needs ``url=``)."""
+        """The :class:`~.hf_reshard.HFResharder` of this engine, built once
+        from its HTTP server (needs ``url=``)."""
         if self._hf_resharder is None:
             from sglang.srt.ray.rdt.trainer.hf_reshard import HFResharder
 
             if not self.url:
-                raise WeightSyncError("layout='hf' reads the engine's /server_info and "
-                                      "/parallelism_config: build the client with url= "
-                                      "(or WeightSyncClient.connect)")
+                raise WeightSyncError("layout='hf' reads the engine's /server_info and /parallelism_config: "
+                                      "build the client with url= (or WeightSyncClient.connect)")
             self._hf_resharder = HFResharder.from_engine_url(
                 self.url, len(self.ranks), model_path=model_path, timeout_s=self.call_timeout_s)
         return self._hf_resharder
 
-    # ------------------------------------------------------------------ #
     def close(self) -> None:
         """Close the lanes, make the ranks let go of this process's memory,
-        free the bucket slots (and the sender actor) and the staging pool."""
+        free the bucket slots and the staging pool."""
         self.lanes.close()
         try:
             if self._pool is not None or self.device_obj.type == "cuda":

@@ -37,25 +37,15 @@ def ensure_ray(address: Optional[str]) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
-        raise WeightSyncError(
-            "this process is not connected to Ray: call ray.init(address=...) "
-            "first, or pass address= / set RAY_ADDRESS (and RAY_AUTH_MODE=token "
-            "for a head started with `ray start`)"
-        )
+        raise WeightSyncError("this process is not connected to Ray: call ray.init(address=...) "
+                              "first, or pass address= / set RAY_ADDRESS (and RAY_AUTH_MODE=token "
+                              "for a head started with `ray start`)")
     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
 
 
-def find_ranks(
-    port: int,
-    namespace: str,
-    *,
-    node_ip: Optional[str] = None,
-    host: str = "127.0.0.1",
-    dp_size: int = 1,
-    tp_size: int = 1,
-    pp_size: int = 1,
-    bundle_index: BundleIndex = 0,
-) -> Tuple[List[Any], List[str]]:
+def find_ranks(port: int, namespace: str, *, node_ip: Optional[str] = None, host: str = "127.0.0.1",
+               dp_size: int = 1, tp_size: int = 1, pp_size: int = 1,
+               bundle_index: BundleIndex = 0) -> Tuple[List[Any], List[str]]:
     """The SchedulerActor handles and names of an engine, in global rank order
     (dp, then pp, then tp), by their rebuilt actor names."""
     import ray
@@ -67,19 +57,15 @@ def find_ranks(
         for pp in range(pp_size):
             for tp in range(tp_size):
                 bundle = bundle_index(dp, pp, tp) if callable(bundle_index) else bundle_index
-                name = get_scheduler_actor_name(
-                    rank0_node_ip=node_ip, dp_rank=dp, pp_rank=pp, tp_rank=tp,
-                    port=port, bundle_idx=bundle,
-                )
+                name = get_scheduler_actor_name(rank0_node_ip=node_ip, dp_rank=dp, pp_rank=pp, tp_rank=tp,
+                                                port=port, bundle_idx=bundle)
                 try:
                     actors.append(ray.get_actor(name, namespace=namespace))
                 except ValueError:
                     raise WeightSyncError(not_found(name, namespace, port)) from None
                 names.append(name)
-    logger.info(
-        "[RDT] weight-sync client: %d ranks of the engine on port %d in namespace %r",
-        len(actors), port, namespace,
-    )
+    logger.info("[RDT] weight-sync client: %d ranks of the engine on port %d in namespace %r",
+                len(actors), port, namespace)
     return actors, names
 
 
@@ -91,17 +77,10 @@ def not_found(name: str, namespace: str, port: int) -> str:
         listed = ray.util.list_named_actors(all_namespaces=True)
     except Exception:  # pragma: no cover
         listed = []
-    same_port = sorted(
-        f"{a['namespace']}/{a['name']}" for a in listed if f"_port{port}_" in a["name"]
-    )
-    hint = (
-        f" Actors of an engine on port {port}: {same_port[:8]}."
-        if same_port
-        else f" No actor of any engine on port {port} exists in this cluster."
-    )
-    return (
-        f"no SchedulerActor named {name!r} in namespace {namespace!r}.{hint} Check that "
-        "the engine runs with --backend ray --enable-rdt-weight-sync and "
-        "--ray-namespace, that this process joined the same cluster, and the layout "
-        "(dp/tp/pp sizes, node_ip of rank 0, bundle_index)."
-    )
+    same_port = sorted(f"{a['namespace']}/{a['name']}" for a in listed if f"_port{port}_" in a["name"])
+    hint = (f" Actors of an engine on port {port}: {same_port[:8]}." if same_port
+            else f" No actor of any engine on port {port} exists in this cluster.")
+    return (f"no SchedulerActor named {name!r} in namespace {namespace!r}.{hint} Check that "
+            "the engine runs with --backend ray --enable-rdt-weight-sync and "
+            "--ray-namespace, that this process joined the same cluster, and the layout "
+            "(dp/tp/pp sizes, node_ip of rank 0, bundle_index).")

@@ -1,42 +1,26 @@
 """Turn a Hugging Face state dict into each engine rank's parameters, with sglang's own loaders.
 
-A trainer holds (after gathering) the model under its Hugging Face checkpoint
-names -- ``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``, one tensor
-per expert -- and unsharded. An sglang rank holds fused parameters
-(``qkv_proj``, ``gate_up_proj``, ``experts.w13_weight``) cut to its TP/EP/PP
-slot. :class:`HFResharder` bridges the two the way miles does (PR #1313), with
-nothing model-specific of its own:
+A trainer holds the model unsharded under its checkpoint names (``q_proj``,
+``gate_proj``, one tensor per expert); an sglang rank holds fused parameters
+(``qkv_proj``, ``experts.w13_weight``) cut to its TP/EP/PP slot.
+:class:`HFResharder` builds, for every distinct rank layout of the engine
+(``GET /parallelism_config?rank=R``), a dummy-loaded replica of the rollout
+model on this host and loads the HF tensors through the replica's own
+``model.load_weights``: its parameters are then exactly what the rank holds.
+Ranks of equal layouts (DP replicas) get the same mapping object, so the
+client sends their tensors once. Nothing model-specific lives here.
 
-* for every distinct rank layout of the engine (``GET /parallelism_config?rank=R``
-  read into :class:`RankParallelismConfig`), a dummy-loaded replica of the
-  rollout model is built on this host under :class:`ParallelismContext`;
-* the HF tensors go through that replica's own ``model.load_weights`` (so the
-  sglang weight loaders fuse and shard them), and the replica's parameters are
-  exactly what the rank holds;
-* ranks whose layouts are equal (DP replicas of one TP shard) get the *same*
-  mapping object, so :class:`~sglang.srt.ray.rdt.trainer.client.WeightSyncClient` puts
-  their tensors once.
+Every HF name must be a tensor of the checkpoint that maps to a parameter,
+with the checkpoint's shape and its or the engine's dtype; a fused parameter
+is sent only whole. Anything else is refused, naming it, before a byte moves::
 
-Everything is checked before a byte moves: every HF name must be a tensor of
-the checkpoint and map to a parameter (:class:`ParameterMapper`), its shape must
-be the checkpoint's and its dtype the checkpoint's or the engine's; a fused
-parameter is sent only whole (all of its HF parts given), anything else is
-refused naming the parameter. ::
-
-    from sglang.srt.ray.rdt import WeightSyncClient
-
-    client = WeightSyncClient.connect(port=30000, namespace="rollout", tp_size=2)
     client.update(hf_model.state_dict(), version="step-3", layout="hf")
+    # or: HFResharder.from_engine_url(url, num_ranks=2).reshard(state_dict) -> {rank: {name: tensor}}
 
-or, to look at the per-rank tensors yourself::
-
-    resharder = HFResharder.from_engine_url("http://10.0.0.5:30000", num_ranks=2)
-    per_rank = resharder.reshard(hf_model.state_dict())   # {rank: {sglang_name: tensor}}
-
-The per-rank tensors are the replicas' parameters: valid until the next
-:meth:`HFResharder.reshard`. A replica costs one rank's worth of memory on the
-trainer host per distinct layout. The replica's ``post_load_weights`` is not run
-(it belongs to the engine, where finalizing the update runs it).
+The per-rank tensors are the replicas' parameters, valid until the next
+:meth:`HFResharder.reshard`; a replica costs one rank's worth of memory per
+distinct layout. The replica's ``post_load_weights`` is not run (the engine
+runs it when the update ends).
 """
 
 from __future__ import annotations
@@ -52,7 +36,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from sglang.srt.ray.rdt.errors import WeightSyncError
+from sglang.srt.ray.rdt.errors import WeightSyncError, dtype_name
+from sglang.srt.ray.rdt.trainer.buckets import group_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +45,8 @@ __all__ = ["HFResharder", "HFTensorSpec", "checkpoint_layout", "layout_key"]
 
 # ServerArgs fields of the engine that decide a rank's parameter layout (read
 # from its /server_info); everything else keeps the replica's defaults.
-LAYOUT_SERVER_ARGS = (
-    "dtype",
-    "quantization",
-    "trust_remote_code",
-    "revision",
-    "tp_size",
-    "pp_size",
-    "ep_size",
-    "json_model_override_args",
-)
+LAYOUT_SERVER_ARGS = ("dtype", "quantization", "trust_remote_code", "revision", "tp_size", "pp_size",
+                      "ep_size", "json_model_override_args")
 
 # Fields of /parallelism_config that do not change which slice a rank holds.
 _NOT_LAYOUT = ("dp_rank", "dp_size", "node_rank", "nnodes", "world_rank", "world_size")
@@ -90,9 +67,6 @@ class HFTensorSpec:
     dtype: torch.dtype
 
 
-# --------------------------------------------------------------------------- #
-# The checkpoint's own layout (what a correct HF state dict looks like)
-# --------------------------------------------------------------------------- #
 def _safetensors_header(path: Path) -> Dict[str, Any]:
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
@@ -100,12 +74,9 @@ def _safetensors_header(path: Path) -> Dict[str, Any]:
 
 
 def checkpoint_layout(model_path: Union[str, Path]) -> Dict[str, HFTensorSpec]:
-    """``{hf_name: HFTensorSpec}`` of the checkpoint at ``model_path``.
-
-    Read from the safetensors headers (no tensor is loaded); for a directory
-    with only a ``config.json``, from the transformers model built on the meta
-    device. Raises ``WeightSyncError`` when neither is possible.
-    """
+    """``{hf_name: HFTensorSpec}`` of the checkpoint at ``model_path``: from
+    its safetensors headers, or else from the transformers model of its
+    ``config.json`` built on the meta device."""
     root = Path(model_path)
     files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
     if files:
@@ -116,10 +87,8 @@ def checkpoint_layout(model_path: Union[str, Path]) -> Dict[str, HFTensorSpec]:
                     continue
                 dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
                 if dtype is None:
-                    raise WeightSyncError(
-                        f"{f.name}: tensor {name!r} has dtype {meta['dtype']!r}, "
-                        "which HF-format updates do not handle"
-                    )
+                    raise WeightSyncError(f"{f.name}: tensor {name!r} has dtype {meta['dtype']!r}, "
+                                          "which HF-format updates do not handle")
                 out[name] = HFTensorSpec(tuple(int(d) for d in meta["shape"]), dtype)
         return out
     try:
@@ -132,11 +101,8 @@ def checkpoint_layout(model_path: Union[str, Path]) -> Dict[str, HFTensorSpec]:
         raise WeightSyncError(
             f"cannot tell the Hugging Face layout of {str(root)!r} (no *.safetensors, "
             f"and transformers could not build it: {e}); pass model_path= a checkpoint "
-            "directory of the rollout model"
-        ) from e
-    return {
-        name: HFTensorSpec(tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
-    }
+            "directory of the rollout model") from e
+    return {name: HFTensorSpec(tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
 
 
 def layout_key(config) -> Tuple[Tuple[str, int], ...]:
@@ -145,9 +111,6 @@ def layout_key(config) -> Tuple[Tuple[str, int], ...]:
     return tuple(sorted((k, v) for k, v in lay.items() if k not in _NOT_LAYOUT))
 
 
-# --------------------------------------------------------------------------- #
-# Publishing the engine's ServerArgs while a replica is built or loaded
-# --------------------------------------------------------------------------- #
 @contextlib.contextmanager
 def _published(server_args):
     """Publish ``server_args`` (as the scheduler would) and put back what was there."""
@@ -183,13 +146,10 @@ class _Replica:
         self.server_args = server_args
         with _published(server_args), ParallelismContext(config):
             self.model = get_model(
-                model_config=ModelConfig(
-                    model_path, dtype=server_args.dtype,
-                    trust_remote_code=server_args.trust_remote_code,
-                ),
+                model_config=ModelConfig(model_path, dtype=server_args.dtype,
+                                         trust_remote_code=server_args.trust_remote_code),
                 load_config=LoadConfig(load_format="dummy", model_loader_extra_config=None),
-                device_config=DeviceConfig(device=device),
-            )
+                device_config=DeviceConfig(device=device))
         self.mapper = ParameterMapper.from_model(self.model)
         self.params = dict(self.model.named_parameters())
         # sglang name -> the HF names that fill it (from the checkpoint layout).
@@ -200,9 +160,6 @@ class _Replica:
             self.model.load_weights(items)
 
 
-# --------------------------------------------------------------------------- #
-# The resharder
-# --------------------------------------------------------------------------- #
 class HFResharder:
     """Per-rank sglang tensors from one HF state dict, for one engine's layout.
 
@@ -218,14 +175,8 @@ class HFResharder:
             is needed; ``"cuda"`` is faster for large models).
     """
 
-    def __init__(
-        self,
-        model_path: Union[str, Path],
-        server_args: Union[Mapping[str, Any], Any],
-        rank_configs: Sequence[Union[Mapping[str, Any], Any]],
-        *,
-        device: str = "cpu",
-    ):
+    def __init__(self, model_path: Union[str, Path], server_args: Union[Mapping[str, Any], Any],
+                 rank_configs: Sequence[Union[Mapping[str, Any], Any]], *, device: str = "cpu"):
         from sglang.srt.distributed.parallel_state import RankParallelismConfig
 
         if not rank_configs:
@@ -233,30 +184,19 @@ class HFResharder:
         self.model_path = str(model_path)
         self.device = device
         self.server_args = _replica_server_args(self.model_path, server_args, device)
-        self.rank_configs = [
-            c if isinstance(c, RankParallelismConfig) else RankParallelismConfig.from_dict(c)
-            for c in rank_configs
-        ]
+        self.rank_configs = [c if isinstance(c, RankParallelismConfig) else RankParallelismConfig.from_dict(c)
+                             for c in rank_configs]
         self.keys = [layout_key(c) for c in self.rank_configs]
         self._replicas: Dict[Tuple, _Replica] = {}
         self._hf: Optional[Dict[str, HFTensorSpec]] = None
 
     @classmethod
-    def from_engine_url(
-        cls,
-        url: str,
-        num_ranks: int,
-        *,
-        model_path: Optional[Union[str, Path]] = None,
-        timeout_s: float = 60.0,
-        **kwargs,
-    ) -> "HFResharder":
+    def from_engine_url(cls, url: str, num_ranks: int, *, model_path: Optional[Union[str, Path]] = None,
+                        timeout_s: float = 60.0, **kwargs) -> "HFResharder":
         """Read the engine's ``/server_info`` and each rank's
-        ``/parallelism_config?rank=R`` from its HTTP server.
-
-        ``model_path`` defaults to the engine's ``--model-path`` (valid when the
-        trainer sees the same path).
-        """
+        ``/parallelism_config?rank=R`` from its HTTP server. ``model_path``
+        defaults to the engine's ``--model-path`` (valid when the trainer sees
+        the same path)."""
         import requests
 
         url = url.rstrip("/")
@@ -273,7 +213,6 @@ class HFResharder:
         configs = [get(f"/parallelism_config?rank={r}") for r in range(num_ranks)]
         return cls(model_path or info["model_path"], info, configs, **kwargs)
 
-    # ------------------------------------------------------------------ #
     @property
     def hf_layout(self) -> Dict[str, HFTensorSpec]:
         if self._hf is None:
@@ -289,29 +228,19 @@ class HFResharder:
                 m = replica.mapper.map(hf_name)
                 if m.loaded:
                     replica.parts.setdefault(m.sglang_name, []).append(hf_name)
-            logger.info(
-                "[RDT] HF reshard: replica of %s built (%d parameters)",
-                config.describe(), len(replica.params),
-            )
+            logger.info("[RDT] HF reshard: replica of %s built (%d parameters)",
+                        config.describe(), len(replica.params))
             self._replicas[key] = replica
         return self._replicas[key]
 
     def rank_groups(self) -> List[List[int]]:
         """Ranks that hold equal tensors, in first-rank order."""
-        groups: Dict[Tuple, List[int]] = {}
-        for rank, key in enumerate(self.keys):
-            groups.setdefault(key, []).append(rank)
-        return list(groups.values())
+        return group_ranks(self.keys)
 
-    # ------------------------------------------------------------------ #
     def check(self, hf_state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> None:
-        """Refuse a state dict that does not fit the checkpoint, naming the tensor.
-
-        Checks names (a tensor of the checkpoint that some parameter takes),
-        shapes (the checkpoint's), dtypes (the checkpoint's or the engine's),
-        and that each fused parameter gets all of its parts; with ``strict``,
-        that every tensor of the checkpoint is given.
-        """
+        """Refuse a state dict that does not fit the checkpoint, naming the
+        tensor: names, shapes, dtypes, every part of each fused parameter
+        given; with ``strict``, every tensor of the checkpoint."""
         from sglang.srt.model_loader.parameter_mapper import ParameterMappingError
 
         if not hf_state_dict:
@@ -324,23 +253,17 @@ class HFResharder:
             spec = expected.get(name)
             if spec is None:
                 close = difflib.get_close_matches(name, list(expected), n=3)
-                raise WeightSyncError(
-                    f"{name!r} is not a tensor of the checkpoint at {self.model_path!r}"
-                    + (f" (close: {close})" if close else "")
-                    + "; HF-format updates take the checkpoint's names"
-                )
+                raise WeightSyncError(f"{name!r} is not a tensor of the checkpoint at {self.model_path!r}"
+                                      + (f" (close: {close})" if close else "")
+                                      + "; HF-format updates take the checkpoint's names")
             if tuple(t.shape) != spec.shape:
-                raise WeightSyncError(
-                    f"{name!r}: shape {tuple(t.shape)} does not match the checkpoint's "
-                    f"{spec.shape} (HF-format updates take full, unsharded tensors)"
-                )
+                raise WeightSyncError(f"{name!r}: shape {tuple(t.shape)} does not match the checkpoint's "
+                                      f"{spec.shape} (HF-format updates take full, unsharded tensors)")
             allowed = {d for d in (spec.dtype, engine_dtype) if d is not None}
             if t.dtype not in allowed:
-                raise WeightSyncError(
-                    f"{name!r}: dtype {_dt(t.dtype)}; expected "
-                    + " or ".join(sorted(_dt(d) for d in allowed))
-                    + " (the checkpoint's or the engine's --dtype)"
-                )
+                raise WeightSyncError(f"{name!r}: dtype {dtype_name(t.dtype)}; expected "
+                                      + " or ".join(sorted(dtype_name(d) for d in allowed))
+                                      + " (the checkpoint's or the engine's --dtype)")
         for key in dict.fromkeys(self.keys):
             replica = self.replica(key)
             for name in hf_state_dict:
@@ -355,12 +278,10 @@ class HFResharder:
                     raise WeightSyncError(
                         f"parameter {sglang_name!r} of {replica.config.describe()} is built "
                         f"from {len(parts)} checkpoint tensors; missing: {missing[:8]}"
-                        + ("" if given else " (strict=True requires every parameter)")
-                    )
+                        + ("" if given else " (strict=True requires every parameter)"))
 
-    def reshard(
-        self, hf_state_dict: Mapping[str, torch.Tensor], *, strict: bool = False
-    ) -> Dict[int, Dict[str, torch.Tensor]]:
+    def reshard(self, hf_state_dict: Mapping[str, torch.Tensor], *,
+                strict: bool = False) -> Dict[int, Dict[str, torch.Tensor]]:
         """``{rank: {sglang_name: tensor}}`` for every rank; ranks of one layout
         share one mapping object. Raises ``WeightSyncError`` (nothing loaded
         anywhere) when :meth:`check` refuses the state dict."""
@@ -392,7 +313,3 @@ def _replica_server_args(model_path: str, server_args, device: str):
 def _engine_dtype(server_args) -> Optional[torch.dtype]:
     value = getattr(server_args, "dtype", None)
     return getattr(torch, value, None) if isinstance(value, str) else None
-
-
-def _dt(dtype: Optional[torch.dtype]) -> str:
-    return str(dtype).replace("torch.", "")

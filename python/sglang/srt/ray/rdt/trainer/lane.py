@@ -1,16 +1,12 @@
 """The trainer's side of the ranks' same-node call lanes.
 
 A rank on the trainer's node serves a lane (``engine/local_lane.py``): a Unix
-socket over which this process sends where its tensors are (the description
-``transport/same_node.py`` makes) and the rank pulls them with its core's own
-pull — no ``ray.put``, no Ray actor call. :class:`Lanes` opens one to each
-rank on this node (an actor call hands out the address and secret), and
-remembers which layouts each lane has been told, so a later update of the
-same layout sends only where the bytes are.
-
-A lane call is waited for like an actor call (:func:`sglang.srt.ray.rdt.ranks.gather`
-takes both). It cannot hang: it is bounded by the caller's timeout, and it
-fails at once when the rank's process is gone or the connection breaks.
+socket over which this process sends where its tensors are and the rank
+pulls them, without ``ray.put`` or a Ray actor call. :class:`Lanes` opens one
+to each rank on this node and remembers which layouts each lane was told. A
+lane call is waited for like an actor call (:func:`~sglang.srt.ray.rdt.ranks.gather`),
+bounded by the caller's timeout, and fails at once when the rank's process
+is gone or the connection breaks.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.lane_wire import FRAME_TIMEOUT_S, ID_BYTES, recv_frame, send_frame
+from sglang.srt.ray.rdt.transport.cma import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +31,6 @@ LIVENESS_CHECK_S = 0.25
 
 class RankGone(RuntimeError):
     """The rank's process exited, or its lane broke, while a call waited for it."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class LaneCall:
@@ -133,7 +120,7 @@ class RankLink:
                     raise RankGone(f"the rank's process (pid {self.pid}) exited during the call, "
                                    f"or closed its lane (the connection ended{why})")
                 self._early[body[:ID_BYTES]] = pickle.loads(body[ID_BYTES:])
-            elif not _pid_alive(self.pid):
+            elif not pid_alive(self.pid):
                 self.broken = True
                 raise RankGone(f"the rank's process (pid {self.pid}) exited during the call")
         return self._early.pop(req_id)

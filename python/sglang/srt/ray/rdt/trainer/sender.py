@@ -3,24 +3,19 @@
 When the ranks cannot read the trainer's own tensors (another node, a
 ``nixl`` transport, host memory without ``export="direct"``), each group of
 an update is copied into one of two slots and read from there while the next
-group is copied into the other. :class:`BucketSender` owns the slots:
-allocated once (in the staging pool on a GPU, so ranks on this node keep
-their mappings of them), registered with NIXL once, and refilled by every
-update.
+group is copied into the other. :class:`BucketSender` owns the slots in the
+trainer's process: allocated once (in the staging pool on a GPU), registered
+with NIXL once, refilled by every update.
 
-A slot has a state, because no ``ray.put`` snapshots its tensors: ranks read
-a slot's bytes when they pull it. ``fill`` copies a step into a free slot and
-marks it in flight under a token; ``fill`` on a slot in flight raises
-:class:`BucketInFlightError` (the sender itself refuses to overwrite bytes a
-rank may still read); ``release`` frees it once every rank's pull of it
-returned.
-
-It runs in the trainer's process: the bytes it copies are the trainer's own,
-and a ref of a slot is owned by the trainer (a Ray actor or driver).
+No ``ray.put`` snapshots a slot: ranks read its bytes when they pull. So
+``fill`` marks a slot in flight under a token and refuses to overwrite a slot
+in flight (:class:`BucketInFlightError`); ``release`` frees it once every
+rank's pull of it returned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -40,14 +35,8 @@ class BucketInFlightError(BucketSenderError):
 
 
 class BucketSender:
-    """Double-buffered, NIXL-registered bucket slots in one process.
-
-    Args:
-        device: where the slots live (``"cpu"`` or ``"cuda[:i]"``).
-        num_slots: buffers kept (2 = fill one while ranks read the other).
-        register: register the slots with NIXL (ranks on other nodes read them
-            through refs); False for tests without NIXL.
-    """
+    """Double-buffered, NIXL-registered bucket slots in one process on
+    ``device``; ``register=False``: without NIXL."""
 
     def __init__(self, device: str = "cpu", num_slots: int = NUM_SLOTS, *, register: bool = True):
         if num_slots < 1:
@@ -73,9 +62,8 @@ class BucketSender:
             raise ValueError(f"slot {slot} out of range (0..{self._num_slots - 1})")
 
     def prepare(self, slot_bytes: int) -> Dict[str, Any]:
-        """Slots of at least ``slot_bytes``; grows (re-allocates) only when
-        asked for more. The caller made the ranks release their mappings of
-        the old slots first (they are freed here)."""
+        """Slots of at least ``slot_bytes``; re-allocates only to grow (the
+        caller made the ranks release their mappings of the old slots first)."""
         if self._closed:
             raise BucketSenderError("the bucket sender is closed")
         if slot_bytes > self.slot_bytes:
@@ -92,10 +80,7 @@ class BucketSender:
         return {"slot_bytes": self.slot_bytes, "slots": self._num_slots}
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        if self._pool is not None:
-            with self._pool.allocating():
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-        else:
+        with self._pool.allocating() if self._pool is not None else contextlib.nullcontext():
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
         if self._register:
             from ray.experimental import register_nixl_memory
@@ -121,10 +106,10 @@ class BucketSender:
     def fill(self, slot: int, token: str, offsets: Sequence[Sequence[int]],
              tensors: Sequence[Sequence[torch.Tensor]], ref_transport: Optional[str],
              local: bool) -> List[Tuple[Any, Any]]:
-        """Copy each region's ``tensors`` into ``slot`` at ``offsets`` (bytes)
-        and mark the slot in flight under ``token``. Returns, per region,
-        ``(ref, description)``: a ref put with ``ref_transport`` (if given)
-        and a same-node description for the ranks' lanes (if ``local``)."""
+        """Copy each region's ``tensors`` into ``slot`` at ``offsets`` (bytes),
+        mark the slot in flight under ``token``. Returns per region ``(ref,
+        description)``: a ref put with ``ref_transport`` (if given) and a
+        same-node description for the lanes (if ``local``)."""
         self._check_slot(slot)
         if self._in_flight[slot] is not None:
             raise BucketInFlightError(
@@ -213,10 +198,9 @@ class BucketSender:
 
 
 class SenderLink:
-    """The client's hold on its bucket sender (made on first use, grown when
-    an update needs bigger slots, closed with the client) and the rule around
-    its memory: ranks on this node keep CUDA IPC mappings of the slots, so
-    before they are freed every rank is asked to let go of them."""
+    """The client's bucket sender (made on first use, grown when an update
+    needs bigger slots, closed with the client): before slots are freed,
+    every rank is asked to let go of its mappings of them."""
 
     def __init__(self, device: str, call_timeout_s: float):
         self.device = device
@@ -260,8 +244,7 @@ class SenderLink:
 
 def release_rank_mappings(ranks, token: str, timeout_s: float, what: str) -> None:
     """Every rank closes its kept CUDA IPC mappings of sender ``token``'s
-    memory, before that memory is freed. Best effort per rank: a rank that
-    does not answer is logged, the others still release."""
+    memory before it is freed (best effort per rank: a failure is logged)."""
     import ray
 
     from sglang.srt.ray.rdt.errors import describe, unwrap

@@ -1,12 +1,9 @@
 """The engine's update session, as the trainer drives it: three back-ends.
 
-* :class:`HttpSession` — ``POST /weight_sync/{begin,end,abort}`` on the
-  engine's HTTP server (drains in-flight requests, holds new ones);
-* :class:`EngineSession` — an in-process ``RayEngine``'s
-  ``begin_weight_sync`` / ``end_weight_sync`` / ``abort_weight_sync``;
-* :class:`CallerPausedSession` — the caller paused generation itself; the
-  end is ``finalize_weight_update`` on every rank, the abort
-  ``abort_weight_update``.
+:class:`HttpSession` (``POST /weight_sync/{begin,end,abort}``),
+:class:`EngineSession` (an in-process ``RayEngine``) and
+:class:`CallerPausedSession` (the caller paused generation itself; the end is
+``finalize_weight_update`` on every rank, the abort ``abort_weight_update``).
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ CallAll = Callable[..., List[Any]]
 
 
 class HttpSession:
-    folds_finalize = False  # the end is the engine's, over HTTP
-
     def __init__(self, url: str, lease_s: float, timeout_s: float):
         self.url, self.lease_s, self.timeout_s = url.rstrip("/"), lease_s, timeout_s
 
@@ -58,8 +53,6 @@ class HttpSession:
 
 
 class EngineSession:
-    folds_finalize = False
-
     def __init__(self, engine: Any, lease_s: float):
         self.engine, self.lease_s = engine, lease_s
 
@@ -80,10 +73,6 @@ class EngineSession:
 
 
 class CallerPausedSession:
-    # A rank pulling all its tensors in one call may end the update in it
-    # (``pull_weights(..., finalize=...)``): the end is per rank anyway.
-    folds_finalize = True
-
     def __init__(self, call_all: CallAll):
         self.call_all = call_all
 
@@ -93,12 +82,10 @@ class CallerPausedSession:
     def end(self, session_id: Optional[str], version: Optional[str], flush_cache: bool):
         return self.call_all("finalize_weight_update", version, flush_cache)
 
-    def abort(self, session_id: Optional[str], reason: str,
-              only: Optional[List[int]] = None) -> None:
-        # Best effort on every rank (``only``: those ranks): a dead rank must
-        # not keep the live ones from closing their update.
+    def abort(self, session_id: Optional[str], reason: str) -> None:
+        # Best effort: a dead rank must not keep the live ones from closing their update.
         try:
-            self.call_all("abort_weight_update", reason, only=only)
+            self.call_all("abort_weight_update", reason)
         except WeightSyncRankError as e:
             logger.error("[RDT] abort did not reach every rank: %s", e)
 

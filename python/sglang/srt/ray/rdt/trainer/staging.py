@@ -1,23 +1,16 @@
 """The trainer's staging pool: CUDA memory the ranks map once and keep mapped.
 
-A rank reads a trainer's GPU tensors through CUDA IPC mappings of the
-segments that hold them. CUDA forbids a process to free memory another still
-maps, so a rank closes the mapping of an ordinary segment right after its
-copy, and maps it again at the next update: ~45 us to open and ~30 us to close
-each segment, 20-30 ms for a model's worth, every update.
-
-Memory from the staging pool is different: it is a private pool of PyTorch's
-caching allocator (``torch.cuda.MemPool``), whose segments stay allocated while
-the pool lives (``torch.cuda.empty_cache()`` does not free them), so ranks keep
-their mappings of it from one update to the next. Tensors the trainer makes
-anew every step land in the same segments again (the allocator reuses what
-the last step freed), so after the first update nothing is mapped again.
-``WeightSyncClient`` consumes a generator passed to ``update()`` inside the
-pool, allocates its bucket slots there, and offers ``client.staging()`` for
-tensors built before the call. The pool's memory is reserved by this process
-(``torch.cuda.memory_reserved``), not allocated: tensors freed in it are free
-for the next step's tensors, and :func:`release` gives it back once the ranks
-let go of it (``WeightSyncClient.close``).
+A rank reads a trainer's GPU tensors through CUDA IPC mappings of their
+segments, and must close the mapping of an ordinary segment right after its
+copy (CUDA forbids freeing memory another process maps): ~45 us to open and
+~30 us to close each segment, 20-30 ms for a model's worth, every update.
+The staging pool is a private pool of PyTorch's caching allocator
+(``torch.cuda.MemPool``) whose segments stay allocated while the pool lives,
+so ranks keep their mappings of it across updates, and tensors made anew
+every step land in the same segments again. ``WeightSyncClient`` consumes a
+generator passed to ``update()`` inside the pool, allocates its bucket slots
+there and offers ``client.staging()``; :func:`release` gives the memory back
+once the ranks let go of it.
 """
 
 from __future__ import annotations
@@ -63,9 +56,6 @@ class StagingPool:
             return True
         self._not_ours.add(base)
         return False
-
-    def reserved_bytes(self) -> int:
-        return sum(int(s["total_size"]) for s in self.pool.snapshot())
 
 
 def available() -> Optional[str]:

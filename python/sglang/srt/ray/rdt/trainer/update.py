@@ -1,21 +1,16 @@
 """One :meth:`WeightSyncClient.update`: plan, transfer, finish — each once.
 
 **Plan.** Split what the trainer gave into rank groups and cut each into
-groups of at most ``bucket_bytes`` (``buckets.py``). A mapping is cut and
-checked whole before anything moves (names, shapes, dtypes against every
-rank's live parameters, once per layout); an iterator is cut as it is
-consumed, each group checked before it is sent.
+groups of at most ``bucket_bytes`` (``buckets.py``). A mapping is checked
+whole before anything moves; an iterator's groups are checked as they come.
 
-**Transfer.** Step ``k`` (group ``k`` of every rank group) goes out in one of
-two ways the client chose (:class:`~.client.Route`): *direct* — ranks on this
-node read the trainer's own tensors through their call lanes (no copy, no
-``ray.put``); *buckets* — the step is copied into one of the client's two
-slots, ranks with a lane read the slot through it, the others pull a ref of it
-through Ray. At most two steps are in flight: step ``k`` is made (an
-iterator's tensors are created now) only once step ``k - 2`` landed, so the
-trainer's tensors are alive two groups' worth at a time, and a slot is
-refilled only after every rank's pull of it returned. The engine's update
-session opens right before the first step goes out.
+**Transfer.** Step ``k`` (group ``k`` of every rank group) goes out the way
+the client's route says: *direct*, ranks on this node read the trainer's own
+tensors over their call lanes; *buckets*, the step is copied into one of the
+client's two slots that ranks read over their lane or through a Ray ref. At
+most two steps are in flight: step ``k`` is made only once step ``k - 2``
+landed, and a slot is refilled only after every rank's pull of it returned.
+The engine's update session opens right before the first step goes out.
 
 **Finish.** End the session with the new ``weight_version``. On any failure:
 wait (bounded) for pulls still reading, abort the session, raise.
@@ -28,7 +23,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 

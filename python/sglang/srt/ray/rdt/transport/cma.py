@@ -1,19 +1,13 @@
 """Cross-memory attach: copy CPU tensors straight out of another process on this host.
 
 ``process_vm_readv(2)`` copies from another process's address space into ours
-in one kernel pass: no shared buffer, no staging copy, no network stack. It is
-the CPU half of the same-node path of RDT weight sync: the sender describes
-its tensors by their addresses (:func:`export_cma`, in an ``SGLANG_IPC`` ref
-or a lane request), a reader on the same host copies them into its targets
-with a few threads (:class:`CmaPath`).
-
-The kernel allows it when the reader may ptrace the sender: same user and no
-Yama restriction (``kernel.yama.ptrace_scope`` 0), or ``CAP_SYS_PTRACE`` (root
-in most containers; not in many non-root ones). :meth:`CmaReader.probe` tells
-before any byte moves, so a refused read falls back to NIXL cleanly.
-
-A pid can be reused once its process exits, so every read checks the sender's
-process start time (``/proc/<pid>/stat`` field 22) before and after copying.
+in one kernel pass. The sender describes its tensors by their addresses
+(:func:`export_cma`); a reader on the same host copies them into its targets
+with a few threads (:class:`CmaPath`). The kernel allows it when the reader
+may ptrace the sender (same user and ``kernel.yama.ptrace_scope`` 0, or
+``CAP_SYS_PTRACE``); a one-byte probe tells before any byte moves, so a
+refused read falls back to NIXL. Every read checks the sender's process start
+time before and after copying (a pid can be reused).
 """
 
 from __future__ import annotations
@@ -65,16 +59,32 @@ def _readv():
         return _libc
 
 
-def process_start_time(pid: int) -> Optional[int]:
-    """Start time of ``pid`` in clock ticks since boot, or None if not visible."""
+def proc_stat_fields(path: str) -> Optional[List[bytes]]:
+    """The fields of a ``/proc/.../stat`` file from field 3 on, or None if unreadable."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(path, "rb") as f:
             stat = f.read()
     except OSError:
         return None
     # comm (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[19])  # field 22 overall
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def process_start_time(pid: int) -> Optional[int]:
+    """Start time of ``pid`` in clock ticks since boot, or None if not visible."""
+    fields = proc_stat_fields(f"/proc/{pid}/stat")
+    return None if fields is None else int(fields[19])  # field 22 overall
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def describe_errno(err: int) -> str:

@@ -1,14 +1,10 @@
 """Every access to Ray's and NIXL's private internals, in one place.
 
-The weight-sync code needs a few things Ray does not expose publicly: its
-per-process RDT manager (to read a ref's transport metadata without fetching
-it), its registry of tensor transports, the owner address inside an
-``ObjectRef``, an actor handle's class name and the GCS job table. Each is
-reached through a function here, read from Ray 2.60.0 (:data:`RAY_VERSIONS`);
-nothing here changes any of Ray's or NIXL's objects. :func:`check_versions`
-says, once per process, when the installed Ray or NIXL is not a version this
-was written against — the first place to look when one of these lookups
-breaks after an upgrade.
+Each private name the weight-sync code needs (the RDT manager, the registry
+of tensor transports, a ref's owner, an actor's class name, the GCS job
+table) is reached through a function here, read from Ray 2.60.0; nothing
+here changes Ray's or NIXL's objects. :func:`check_versions` warns once per
+process when the installed Ray or NIXL is not a version this was written for.
 """
 
 from __future__ import annotations
@@ -68,9 +64,6 @@ def check_versions() -> Optional[str]:
     return message
 
 
-# --------------------------------------------------------------------------- #
-# Ray: tensor transports
-# --------------------------------------------------------------------------- #
 def transport_base_classes() -> Tuple[type, type, type]:
     """Ray's (CommunicatorMetadata, TensorTransportManager,
     TensorTransportMetadata); plain ``object`` without Ray, so the pure parts
@@ -91,13 +84,6 @@ def transport_manager(name: str):
     from ray.experimental.rdt.util import get_tensor_transport_manager
 
     return get_tensor_transport_manager(name)
-
-
-def transport_in_use(name: str) -> bool:
-    """Whether this process has created the manager of transport ``name``."""
-    from ray.experimental.rdt import util
-
-    return name in getattr(util, "transport_managers", {})
 
 
 def transport_registered(name: str) -> bool:
@@ -130,9 +116,6 @@ def nixl_communicator_metadata():
     return NixlCommunicatorMetadata()
 
 
-# --------------------------------------------------------------------------- #
-# Ray: refs
-# --------------------------------------------------------------------------- #
 def rdt_manager():
     """This worker's RDT manager (what ``ray.get`` of an RDT ref goes through)."""
     import ray
@@ -166,9 +149,6 @@ def actor_class_name(handle) -> Optional[str]:
     return getattr(descriptor, "class_name", None)
 
 
-# --------------------------------------------------------------------------- #
-# Ray: jobs
-# --------------------------------------------------------------------------- #
 def job_table() -> list:
     """The GCS job table (``JobID``, ``IsDead``, ...)."""
     from ray._private import state

@@ -52,36 +52,24 @@ class _Driver:
         self.cuInit = fn(["cuInit"], [ctypes.c_uint])
         self.cuGetErrorName = fn(["cuGetErrorName"], [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)])
         self.cuDeviceGet = fn(["cuDeviceGet"], [ctypes.POINTER(ctypes.c_int), ctypes.c_int])
-        self.cuDevicePrimaryCtxRetain = fn(
-            ["cuDevicePrimaryCtxRetain"], [ctypes.POINTER(p), ctypes.c_int]
-        )
+        self.cuDevicePrimaryCtxRetain = fn(["cuDevicePrimaryCtxRetain"], [ctypes.POINTER(p), ctypes.c_int])
         self.cuCtxPushCurrent = fn(["cuCtxPushCurrent_v2", "cuCtxPushCurrent"], [p])
         self.cuCtxPopCurrent = fn(["cuCtxPopCurrent_v2", "cuCtxPopCurrent"], [ctypes.POINTER(p)])
         self.cuCtxEnablePeerAccess = fn(["cuCtxEnablePeerAccess"], [p, ctypes.c_uint])
-        self.cuMemGetAddressRange = fn(
-            ["cuMemGetAddressRange_v2", "cuMemGetAddressRange"],
-            [ctypes.POINTER(u64), ctypes.POINTER(sz), u64],
-        )
+        self.cuMemGetAddressRange = fn(["cuMemGetAddressRange_v2", "cuMemGetAddressRange"],
+                                       [ctypes.POINTER(u64), ctypes.POINTER(sz), u64])
         self.cuIpcGetMemHandle = fn(["cuIpcGetMemHandle"], [ctypes.POINTER(_CUipcMemHandle), u64])
         self.cuPointerGetAttribute = fn(["cuPointerGetAttribute"], [p, ctypes.c_int, u64])
-        self.cuIpcOpenMemHandle = fn(
-            ["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"],
-            [ctypes.POINTER(u64), _CUipcMemHandle, ctypes.c_uint],
-        )
+        self.cuIpcOpenMemHandle = fn(["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"],
+                                     [ctypes.POINTER(u64), _CUipcMemHandle, ctypes.c_uint])
         self.cuIpcCloseMemHandle = fn(["cuIpcCloseMemHandle"], [u64])
-        self.cuMemcpyDtoDAsync = fn(
-            ["cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"], [u64, u64, sz, p]
-        )
+        self.cuMemcpyDtoDAsync = fn(["cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"], [u64, u64, sz, p])
         self.cuModuleLoadData = fn(["cuModuleLoadData"], [ctypes.POINTER(p), p])
         self.cuModuleGetFunction = fn(["cuModuleGetFunction"], [ctypes.POINTER(p), p, ctypes.c_char_p])
-        self.cuLaunchKernel = fn(
-            ["cuLaunchKernel"],
-            [p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-             ctypes.c_uint, ctypes.c_uint, p, ctypes.POINTER(p), ctypes.POINTER(p)],
-        )
-        self.cuDeviceGetAttribute = fn(
-            ["cuDeviceGetAttribute"], [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
-        )
+        self.cuLaunchKernel = fn(["cuLaunchKernel"],  # grid xyz, block xyz, shared memory bytes
+                                 [p] + [ctypes.c_uint] * 7 + [p, ctypes.POINTER(p), ctypes.POINTER(p)])
+        self.cuDeviceGetAttribute = fn(["cuDeviceGetAttribute"],
+                                       [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int])
         # CUDA 12.8+: one call for a list of copies (13.x: _v2, without failIdx).
         self._batch_v2 = True
         try:
@@ -130,9 +118,8 @@ class _Driver:
 
     def address_range(self, ptr: int) -> Tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self.check(
-            "cuMemGetAddressRange", self.cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), ptr)
-        )
+        self.check("cuMemGetAddressRange",
+                   self.cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), ptr))
         return base.value, size.value
 
     def buffer_id(self, ptr: int) -> Optional[int]:
@@ -153,19 +140,15 @@ class _Driver:
             raise ValueError(f"a CUDA IPC handle has 64 bytes, got {len(handle)}")
         h = _CUipcMemHandle.from_buffer_copy(handle)
         ptr = ctypes.c_uint64()
-        self.check(
-            "cuIpcOpenMemHandle",
-            self.cuIpcOpenMemHandle(ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
-        )
+        self.check("cuIpcOpenMemHandle",
+                   self.cuIpcOpenMemHandle(ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
         return ptr.value
 
     def ipc_close(self, ptr: int) -> None:
         self.check("cuIpcCloseMemHandle", self.cuIpcCloseMemHandle(ptr))
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        rc = self.cuMemcpyDtoDAsync(dst, src, nbytes, ctypes.c_void_p(stream))
-        if rc != 0:
-            self.check("cuMemcpyDtoDAsync", rc)
+        self.check("cuMemcpyDtoDAsync", self.cuMemcpyDtoDAsync(dst, src, nbytes, ctypes.c_void_p(stream)))
 
     def attribute(self, attr: int, ordinal: int) -> int:
         out = ctypes.c_int()
@@ -173,20 +156,14 @@ class _Driver:
         return out.value
 
 
-# --------------------------------------------------------------------------- #
-# Copy-engine batches (GPU to GPU over NVLink)
-# --------------------------------------------------------------------------- #
+# Copy-engine batches (GPU to GPU over NVLink).
 class _CUmemLocation(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
 
 class _CUmemcpyAttributes(ctypes.Structure):
-    _fields_ = [
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocHint", _CUmemLocation),
-        ("dstLocHint", _CUmemLocation),
-        ("flags", ctypes.c_uint),
-    ]
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _CUmemLocation),
+                ("dstLocHint", _CUmemLocation), ("flags", ctypes.c_uint)]
 
 
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
@@ -201,12 +178,9 @@ def memcpy_batch(drv: _Driver, dst, src, nbytes, stream: int, src_dev: int, dst_
     dsts = (ctypes.c_uint64 * n)(*map(int, dst))
     srcs = (ctypes.c_uint64 * n)(*map(int, src))
     sizes = (ctypes.c_size_t * n)(*map(int, nbytes))
-    attr = _CUmemcpyAttributes(
-        CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-        _CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, src_dev),
-        _CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, dst_dev),
-        0,
-    )
+    attr = _CUmemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                               _CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, src_dev),
+                               _CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, dst_dev), 0)
     idx = (ctypes.c_size_t * 1)(0)
     fail = ctypes.c_size_t(0)
     args = [ctypes.cast(dsts, ctypes.c_void_p), ctypes.cast(srcs, ctypes.c_void_p),
@@ -218,11 +192,9 @@ def memcpy_batch(drv: _Driver, dst, src, nbytes, stream: int, src_dev: int, dst_
     drv.check("cuMemcpyBatchAsync", drv.cuMemcpyBatchAsync(*args))
 
 
-# --------------------------------------------------------------------------- #
-# One SM kernel for a whole table of copies
-# --------------------------------------------------------------------------- #
-# Each block takes chunks of the table in turn and copies one with 16-byte
-# loads and stores (bytes for what is left, or for unaligned chunks).
+# One SM kernel for a whole table of copies: each block takes chunks of the
+# table in turn and copies one with 16-byte loads and stores (bytes for what
+# is left, or for unaligned chunks).
 _KERNEL_SRC = r"""
 extern "C" __global__ void __launch_bounds__(512)
 sglang_rdt_copy(const unsigned long long* __restrict__ tab, const int nchunks) {
@@ -288,20 +260,21 @@ def compile_ptx(source: str, arch: str) -> bytes:
                                 0, None, None)
     if rc != 0:
         raise CudaDriverError("nvrtcCreateProgram", rc, "NVRTC error")
+
+    def text(get_size, get):
+        size = ctypes.c_size_t()
+        get_size(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        get(prog, buf)
+        return buf
+
     try:
         opts = (ctypes.c_char_p * 1)(f"--gpu-architecture={arch}".encode())
         rc = lib.nvrtcCompileProgram(prog, 1, opts)
         if rc != 0:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise CudaDriverError("nvrtcCompileProgram", rc, log.value.decode(errors="replace")[:500])
-        size = ctypes.c_size_t()
-        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-        ptx = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetPTX(prog, ptx)
-        return ptx.raw
+            log = text(lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog).value
+            raise CudaDriverError("nvrtcCompileProgram", rc, log.decode(errors="replace")[:500])
+        return text(lib.nvrtcGetPTXSize, lib.nvrtcGetPTX).raw
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 

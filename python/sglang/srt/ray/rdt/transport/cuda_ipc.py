@@ -1,26 +1,20 @@
 """GPU tensors between processes of one node: CUDA IPC handles and one copy.
 
 The sender describes its tensors by the cudaMalloc segments that hold them
-(:class:`CudaIpcExporter`): a segment's handle is asked of the driver once and
-kept with the segment's allocation id, checked again at every export (a
-segment freed and allocated anew gets a new id, hence a new handle). A reader
-on the same node that sees the sender's GPU maps those segments and copies
-the tensors straight into its targets (:class:`CudaIpcReader`): on one GPU
-with one SM kernel over all tensors (thousands of few-MiB tensors cost what
-one large copy does), between two GPUs with one batched copy-engine call.
+(:class:`CudaIpcExporter`); a segment's handle is asked of the driver once and
+kept with the segment's allocation id (a segment freed and allocated anew
+gets a new id, hence a new handle). A reader on the same node that sees the
+sender's GPU maps those segments and copies the tensors into its targets
+(:class:`CudaIpcReader`): on one GPU with one SM kernel over all tensors,
+between two GPUs with one batched copy-engine call.
 
-Mapping lifetime. CUDA forbids a process to free memory another process
-still has mapped, so a reader closes every mapping it opened for a read once
-the copy is done — unless the segment is *kept*: memory its sender promised
-to keep until it asks readers to let go (the weight-sync client's staging
-pool, ``trainer/staging.py``). Kept segments stay mapped across reads and
-updates; :meth:`CudaIpcReader.release` closes them when their sender asks
-(``release_weight_sync_mappings``) or its process is gone.
-
-Traps this avoids (shared/DESIGN.md section 3): no inter-process CUDA event
-is waited on from another GPU's stream (that segfaulted); the sender
-synchronises its device before its tensors are read, and the reader
-synchronises its copy on the host.
+CUDA forbids a process to free memory another process still has mapped, so a
+reader closes the mappings of a read once the copy is done, unless the
+segment is *kept* (the trainer's staging pool, ``trainer/staging.py``): kept
+segments stay mapped until their sender asks readers to let go
+(:meth:`CudaIpcReader.release`) or its process is gone. No inter-process CUDA
+event is waited on: the sender synchronises its device before its tensors are
+read, and the reader synchronises its copy on the host.
 """
 
 from __future__ import annotations
@@ -35,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from sglang.srt.ray.rdt.transport import cuda_driver
+from sglang.srt.ray.rdt.transport.cma import pid_alive
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, device_uuid, local_ordinal_of
 from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, part_bytes
 
@@ -68,9 +63,6 @@ class Targets:
                              f"tensor {int(nbytes[i])}")
 
 
-# --------------------------------------------------------------------------- #
-# Sender
-# --------------------------------------------------------------------------- #
 class _KnownSegments:
     """The segments of one GPU this process has exported, sorted by base:
     ``(base, size, allocation id, handle, kept)`` each."""
@@ -176,9 +168,6 @@ class CudaIpcExporter:
         raise CudaDriverError("cuMemGetAddressRange", -1, "the tensors' segments keep changing")
 
 
-# --------------------------------------------------------------------------- #
-# Reader
-# --------------------------------------------------------------------------- #
 @dataclass
 class _Mapping:
     handle: bytes
@@ -374,7 +363,7 @@ class CudaIpcReader:
             if not gone_only:
                 return True
             if m.pid not in alive:
-                alive[m.pid] = _pid_alive(m.pid)
+                alive[m.pid] = pid_alive(m.pid)
             return not alive[m.pid]
 
         with self.lock:
@@ -405,12 +394,3 @@ class CudaIpcReader:
                     "kept_bytes": sum(m.size for m in self.kept.values()),
                     "kept_senders": len({s for s, _ in self.kept})}
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -93,8 +93,3 @@ class MappingFailed(RuntimeError):
 
 def part_bytes(nbytes: np.ndarray) -> int:
     return int(nbytes.sum()) if len(nbytes) else 0
-
-
-def pack_specs(tensors) -> List[Tuple[Tuple[int, ...], Any]]:
-    """``(shape, dtype)`` of each tensor: what a reader plans targets from."""
-    return [(tuple(t.shape), t.dtype) for t in tensors]

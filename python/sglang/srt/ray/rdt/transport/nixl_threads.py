@@ -1,19 +1,12 @@
 """This process's Ray NIXL agent, with its busy progress thread at idle priority.
 
-NIXL's Python API starts the UCX progress thread of every agent with a poll
-delay of 0, and Ray 2.60 builds each process's NIXL agent through that API
-with no setting for it: the thread never sleeps, and keeps a core busy for the
-life of every process that touched NIXL (measured: 1.0 core, idle or not). On
-a rollout node that is a core per rank taken from scheduling and
-tokenization; on a small CPU host it halves everything else.
-
-:func:`start_nixl_agent` builds the agent where this package first needs it —
-a rank registering its parameters, the client's bucket slots, the first
-``SGLANG_IPC`` put or NIXL read of a process — and gives every thread the
-agent started that keeps spinning the ``SCHED_IDLE`` scheduling policy: it
-then runs only on CPU time nothing else of the host wants, and NIXL's own
-transfers (progressed by the threads that wait on them) are not slowed.
-Nothing of NIXL's or Ray's is changed. A trainer that puts tensors with
+NIXL starts the UCX progress thread of every agent with a poll delay of 0,
+and Ray builds each process's agent with no setting for it: the thread keeps
+a core busy for the life of every process that touched NIXL. :func:`start_nixl_agent`
+builds the agent where this package first needs it and puts the threads it
+started that keep spinning at ``SCHED_IDLE``: they run only on CPU time
+nothing else wants, and NIXL's transfers (progressed by the threads that
+wait on them) are not slowed. A trainer that puts tensors with
 ``_tensor_transport="nixl"`` itself calls it once, before its first put.
 """
 
@@ -26,6 +19,7 @@ import time
 from typing import Dict, Set
 
 from sglang.srt.ray.rdt.transport import compat
+from sglang.srt.ray.rdt.transport.cma import proc_stat_fields
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +58,6 @@ def start_nixl_agent() -> int:
         return _idled
 
 
-def idle_threads() -> int:
-    """How many threads :func:`start_nixl_agent` put at idle priority here."""
-    return _idled
-
-
 def _threads() -> Set[int]:
     try:
         return {int(t) for t in os.listdir("/proc/self/task")}
@@ -77,13 +66,8 @@ def _threads() -> Set[int]:
 
 
 def _cpu_ticks(tid: int) -> int:
-    try:
-        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return 0
-    fields = stat[stat.rindex(b")") + 2:].split()
-    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    fields = proc_stat_fields(f"/proc/self/task/{tid}/stat")
+    return 0 if fields is None else int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
 
 
 def _spinning(tids: Set[int]) -> Set[int]:

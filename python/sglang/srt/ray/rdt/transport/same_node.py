@@ -3,14 +3,10 @@
 A sender describes tensors so that a process on its node can read them
 without a network stack (:func:`export`): GPU tensors by the CUDA IPC handles
 of their segments (:mod:`.cuda_ipc`), host-memory tensors by their addresses
-for ``process_vm_readv`` (:mod:`.cma`). A reader reads such a description
-into its targets (:func:`read`) and says what it did (a
-:class:`~.metadata.ReadResult`). The description travels in an
-``SGLANG_IPC`` ref (:mod:`.sglang_ipc`) or in a request on a rank's call lane
-(``engine/local_lane.py``); either way the same reader reads it.
-
-One exporter and one reader per process (the reader's kept CUDA IPC mappings
-are per process); :func:`token` is the process's identity as a sender.
+for ``process_vm_readv`` (:mod:`.cma`). The description travels in an
+``SGLANG_IPC`` ref or a request on a rank's call lane; a reader reads it into
+its targets (:func:`read`). One exporter and one reader per process;
+:func:`token` is the process's identity as a sender.
 """
 
 from __future__ import annotations
@@ -74,9 +70,8 @@ def _parts():
 
 
 def set_keeper(ordinal: int, holds: Optional[Callable[[int], bool]]) -> None:
-    """Declare (or, with None, withdraw) the function saying which segments of
-    GPU ``ordinal`` this process keeps until it releases the readers (the
-    staging pool, ``trainer/staging.py``): readers keep those mapped."""
+    """Declare (or, with None, withdraw) which segments of GPU ``ordinal``
+    this process keeps until it releases the readers (the staging pool)."""
     with _lock:
         if holds is None:
             _keepers.pop(ordinal, None)
@@ -87,10 +82,9 @@ def set_keeper(ordinal: int, holds: Optional[Callable[[int], bool]]) -> None:
 
 
 def export(tensors, with_specs: bool = True) -> SglangIpcTransportMetadata:
-    """Describe ``tensors`` (contiguous, all on one device) for a same-node
-    reader (``with_specs=False``: without their shapes and dtypes, for a
-    reader that knows them). The caller makes sure queued work on them is
-    done before anyone reads them."""
+    """Describe ``tensors`` (contiguous, on one device; ``with_specs=False``:
+    without shapes and dtypes) for a same-node reader. The caller makes sure
+    queued work on them is done before anyone reads them."""
     meta = SglangIpcTransportMetadata(
         tensor_meta=[(tuple(t.shape), t.dtype) for t in tensors] if with_specs else [],
         tensor_device=tensors[0].device.type if tensors else None)
@@ -121,9 +115,8 @@ def unusable(meta: SglangIpcTransportMetadata, device) -> Optional[str]:
 
 def read(meta: SglangIpcTransportMetadata, targets: Targets, device, copy: bool = True) -> ReadResult:
     """Read ``meta``'s tensors into ``targets`` (call :func:`unusable` first).
-    Raises :class:`~.metadata.MappingFailed` before any byte moved when the
-    kernel or the driver refuses; anything raised later means bytes may have
-    landed."""
+    :class:`~.metadata.MappingFailed`: refused before any byte moved; anything
+    else raised means bytes may have landed."""
     _, ipc, cma = _parts()
     if meta.cma is not None:
         return cma.read(meta.cma, targets, copy)
@@ -131,8 +124,8 @@ def read(meta: SglangIpcTransportMetadata, targets: Targets, device, copy: bool 
 
 
 def map_kept(meta: SglangIpcTransportMetadata, device) -> int:
-    """Map the kept segments of ``meta`` (GPU) now, so that the first read of
-    memory a trainer keeps costs what later ones do. Returns how many opened."""
+    """Map the kept segments of ``meta`` (GPU) now, before a read needs them.
+    Returns how many opened."""
     if meta.ipc is None or unusable(meta, device) is not None:
         return 0
     return _parts()[1].map_kept(meta.ipc, device)

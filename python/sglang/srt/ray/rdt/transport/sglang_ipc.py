@@ -1,25 +1,13 @@
 """``SGLANG_IPC``: a Ray tensor transport that reads on the sender's node without NIXL.
 
-A trainer puts its tensors with ``ray.put(tensors, _tensor_transport="SGLANG_IPC")``.
-The ref's metadata carries two ways to read them:
-
-* a same-node part (:func:`.same_node.export`): for GPU tensors the CUDA IPC
-  handles of their segments, the sender's node and GPU; for host-memory
-  tensors the sender's pid and the tensors' addresses (``process_vm_readv``);
-* Ray's ordinary NIXL metadata of the same tensors (the sender's NIXL
-  registrations are reused, so ``register_nixl_memory`` still pays off).
-
-A reader on the sender's node that sees the sender's GPU (or, for host
-memory, may read the sender's memory) copies straight into its targets; any
-other reader — another node, a GPU it cannot see, a read the driver or the
-kernel refuses before a byte moved — reads through NIXL. A rank reads an
-``SGLANG_IPC`` ref itself when the same-node part serves it
-(``engine/receiver.py``); ``ray.get`` of the ref takes the same decision
-(:meth:`SglangIpcTransport.recv_multiple_tensors`).
-
-Ray pushes a custom transport to a new actor asynchronously, so every process
-that puts or gets calls :func:`register` itself (idempotent); the creator must
-also call it before it creates the actors.
+A trainer puts its tensors with ``ray.put(tensors, _tensor_transport="SGLANG_IPC")``;
+the ref's metadata carries a same-node part (:func:`.same_node.export`) and
+Ray's NIXL metadata of the same tensors. A reader on the sender's node that
+can read the same-node part copies straight into its targets; any other
+reader (another node, a GPU it cannot see, a read refused before a byte
+moved) reads through NIXL. Ray pushes a custom transport to a new actor
+asynchronously, so every process that puts or gets calls :func:`register`
+itself (idempotent), and the creator calls it before creating the actors.
 """
 
 from __future__ import annotations
@@ -138,12 +126,8 @@ _register_lock = threading.Lock()
 
 
 def register() -> str:
-    """Register the transport in this process (idempotent). Returns its name.
-
-    Call it in the process that creates the actors, before creating them, and
-    in every actor that puts or gets with it (Ray's own push to a new actor is
-    asynchronous and can lose the race against the actor's first call).
-    """
+    """Register the transport in this process (idempotent); returns its name. Call
+    it before creating the actors, and in every actor that puts or gets with it."""
     import torch
 
     if compat.transport_registered(TRANSPORT_NAME):

@@ -1,4 +1,7 @@
-"""Validation before any byte moves (rdt/engine/plan.py) and the receiver's registration bookkeeping (rdt/engine/registration.py, receiver.py)."""
+"""Where a pull lands and what is checked before any byte moves (rdt/engine/plan.py:
+plan_pull, group_names, PlanCache), the receiver's pull around it (receiver.py,
+with in-memory sources) and its registration bookkeeping (registration.py).
+No Ray cluster and no NIXL agent: pure functions and a toy model in this process."""
 
 from __future__ import annotations
 
@@ -12,15 +15,22 @@ from sglang.srt.managers.weight_listeners import (
     notify_weights_released,
     notify_weights_resumed,
 )
-from sglang.srt.ray.rdt.errors import WeightSyncError
+from sglang.srt.ray.rdt import gc_pause
+from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
+from sglang.srt.ray.rdt.engine import plan as plan_mod
 from sglang.srt.ray.rdt.engine.plan import (
+    PlanCache,
     TensorSpec,
     group_names,
     plan_pull,
     unique_storages,
 )
-from sglang.srt.ray.rdt.engine.receiver import RdtWeightReceiver
+from sglang.srt.ray.rdt.engine.receiver import GC_HOLDER, RdtWeightReceiver
 from sglang.srt.ray.rdt.engine.registration import RegistrationBook, expandable_segment_tensors
+from sglang.srt.ray.rdt.engine.sources import sources_of
+from sglang.srt.ray.rdt.engine.update_state import Writer
+from sglang.srt.ray.rdt.transport import nixl_threads
+from sglang.srt.ray.rdt.transport.metadata import ReadResult
 
 
 # --------------------------------------------------------------------------- #
@@ -113,6 +123,205 @@ def test_unique_storages_dedups_views_of_one_storage():
 
 
 # --------------------------------------------------------------------------- #
+# The plan cache: a layout seen before reuses its plan until parameters move
+# --------------------------------------------------------------------------- #
+class Walks:
+    """``get_params`` of a PlanCache over ``params``, counting the walks."""
+
+    def __init__(self, params):
+        self.params, self.count = params, 0
+
+    def __call__(self):
+        self.count += 1
+        return dict(self.params)
+
+
+def _ptrs(plan):
+    return [[int(p) for p in t.ptrs] for t in plan.targets]
+
+
+def test_a_layout_seen_before_reuses_its_plan_without_walking_again():
+    params = _params()
+    walks = Walks(params)
+    cache = PlanCache(walks)
+    names = [["a.weight", "a.bias"], ["b.weight"]]
+    specs = [_specs(params, ns) for ns in names]
+    first, walked, reused = cache.plan(specs, names)
+    assert (walked, reused, walks.count) == (True, False, 1)
+    assert first.count == 3 and first.nbytes == sum(params[n].nbytes for ns in names for n in ns)
+    assert _ptrs(first) == [[params[n].data_ptr() for n in ns] for ns in names]
+    again, walked, reused = cache.plan([list(s) for s in specs], [list(ns) for ns in names])
+    assert again is first and (walked, reused, walks.count) == (False, True, 1)
+    # A caller's key (a lane's layout id) names the layout instead of its specs.
+    keyed, _, reused = cache.plan(specs, names, key=("lane", 1))
+    assert keyed is not first and reused is False
+    assert cache.plan(specs, names, key=("lane", 1))[0] is keyed
+
+
+def test_changed_names_or_specs_are_planned_anew_and_checked():
+    params = _params()
+    cache = PlanCache(Walks(params))
+    specs = [_specs(params, ["a.weight"])]
+    plan_a, _, _ = cache.plan(specs, [["a.weight"]])
+    renamed, _, reused = cache.plan([_specs(params, ["a.bias"])], [["a.bias"]])
+    assert reused is False and renamed is not plan_a
+    assert _ptrs(renamed) == [[params["a.bias"].data_ptr()]]
+    # Same names, other specs: a new plan, checked like the first.
+    with pytest.raises(WeightSyncError, match="layout mismatch for 'a.weight'"):
+        cache.plan([[TensorSpec((4, 3), torch.float16)]], [["a.weight"]])
+    # A rejected layout is not kept: the right one still finds its own plan.
+    assert cache.plan(specs, [["a.weight"]])[0] is plan_a
+
+
+def test_a_parameter_reallocated_at_an_update_end_is_planned_again():
+    params = _params()
+    walks = Walks(params)
+    cache = PlanCache(walks)
+    plan_a, _, _ = cache.plan([_specs(params, ["a.weight"])], [["a.weight"]])
+    plan_b, _, _ = cache.plan([_specs(params, ["b.weight"])], [["b.weight"]])
+    old = params["a.weight"].data_ptr()
+    params["a.weight"].data = params["a.weight"].data.clone()  # post-load may do this
+    new = params["a.weight"].data_ptr()
+    assert new != old
+    # Only an update's end or a load moves parameters: until one is marked,
+    # a pull does not look at them again.
+    assert cache.plan([_specs(params, ["a.weight"])], [["a.weight"]])[0] is plan_a
+    cache.mark_stale()
+    assert cache.stale
+    replanned, walked, reused = cache.plan([_specs(params, ["a.weight"])], [["a.weight"]])
+    assert (walked, reused) == (True, False) and not cache.stale and walks.count == 2
+    assert _ptrs(replanned) == [[new]]
+    # The plan whose parameter did not move survives the walk.
+    assert cache.plan([_specs(params, ["b.weight"])], [["b.weight"]]) == (plan_b, False, True)
+
+
+def test_a_replaced_parameter_object_drops_every_plan():
+    params = _params()
+    cache = PlanCache(Walks(params))
+    plan_b, _, _ = cache.plan([_specs(params, ["b.weight"])], [["b.weight"]])
+    params["a.bias"] = torch.nn.Parameter(torch.zeros(4))  # a load made a new object
+    cache.mark_stale()
+    again, walked, reused = cache.plan([_specs(params, ["b.weight"])], [["b.weight"]])
+    assert walked and not reused and again is not plan_b
+    assert cache.params["a.bias"] is params["a.bias"]
+
+
+def test_forget_walks_again_and_plans_every_layout_anew():
+    params = _params()
+    walks = Walks(params)
+    cache = PlanCache(walks)
+    first, _, _ = cache.plan([_specs(params, ["a.bias"])], [["a.bias"]])
+    cache.forget()
+    again, walked, reused = cache.plan([_specs(params, ["a.bias"])], [["a.bias"]])
+    assert again is not first and walked and not reused and walks.count == 2
+
+
+def test_the_plan_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(plan_mod, "MAX_CACHED_PLANS", 3)
+    params = _params()
+    cache = PlanCache(Walks(params))
+    specs, names = [_specs(params, ["a.bias"])], [["a.bias"]]
+    plans = [cache.plan(specs, names, key=k)[0] for k in range(3)]
+    assert [cache.plan(specs, names, key=k)[0] for k in range(3)] == plans  # all kept
+    cache.plan(specs, names, key=3)  # one more than the bound: the cache starts over
+    assert len(cache._plans) <= 3
+    again, _, reused = cache.plan(specs, names, key=0)
+    assert again is not plans[0] and reused is False
+
+
+# --------------------------------------------------------------------------- #
+# The receiver's pull around the plan (in-memory sources)
+# --------------------------------------------------------------------------- #
+TRAINER = Writer("process:test", "trainer process (test)")
+
+
+class MemorySource:
+    """A source holding its tensors in this process (what a lane or a ref
+    source is to the receiver); ``fail_at``: raise after that many tensors
+    landed."""
+
+    def __init__(self, tensors, fail_at=None):
+        self.tensors, self.fail_at, self.reads = list(tensors), fail_at, 0
+
+    def specs(self, timeout_s):
+        return [TensorSpec(tuple(t.shape), t.dtype) for t in self.tensors]
+
+    def writer(self):
+        return TRAINER
+
+    def read(self, targets, device, timeout_s, copy=True):
+        self.reads += 1
+        for i, (dst, src) in enumerate(zip(targets.tensors, self.tensors)):
+            if i == self.fail_at:
+                raise ConnectionError("the sender went away")
+            if copy:
+                dst.copy_(src)
+        return ReadResult("memory", len(self.tensors), int(targets.nbytes.sum()), 0.0)
+
+
+@pytest.fixture
+def receiver():
+    """A receiver over a Linear(4, 2); the collector is let go afterwards
+    (a pull holds it off until its update ends)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    recv = RdtWeightReceiver(lambda: dict(model.named_parameters()))
+    recv.model = model
+    yield recv
+    recv.close()
+    gc_pause.resume(GC_HOLDER)
+
+
+def test_a_pull_lands_in_the_live_storage_and_a_second_one_reuses_the_plan(receiver):
+    model = receiver.model
+    ptrs = [model.weight.data_ptr(), model.bias.data_ptr()]
+    new = [torch.full((2, 4), 3.0), torch.full((2,), -1.0)]
+    stats = receiver.pull([MemorySource(new)], ["weight", "bias"])
+    assert stats["tensors"] == 2 and stats["bytes"] == 40 and stats["plan_reused"] is False
+    assert stats["transport"] == "memory" and stats["reads"][0]["path"] == "memory"
+    assert torch.equal(model.weight, new[0]) and torch.equal(model.bias, new[1])
+    assert [model.weight.data_ptr(), model.bias.data_ptr()] == ptrs
+    assert receiver.pull([MemorySource(new)], ["weight", "bias"])["plan_reused"] is True
+    assert receiver.state.status()["pulls"] == 2
+
+
+def test_a_reallocated_parameter_is_written_in_its_new_storage_after_the_update_end(receiver):
+    model = receiver.model
+    receiver.pull([MemorySource([torch.ones(2, 4)])], ["weight"])
+    old = model.weight.data_ptr()
+    model.weight.data = torch.zeros(2, 4)  # the update's post-load replaced the storage
+    receiver.end_of_update()
+    assert receiver.needs_refresh()
+    stats = receiver.pull([MemorySource([torch.full((2, 4), 5.0)])], ["weight"])
+    assert stats["plan_reused"] is False and model.weight.data_ptr() != old
+    assert torch.equal(model.weight, torch.full((2, 4), 5.0))
+
+
+def test_a_source_failing_mid_read_marks_the_weights_inconsistent_and_drops_the_plans(receiver):
+    new = [torch.full((2, 4), 3.0), torch.full((2,), -1.0)]
+    receiver.pull([MemorySource(new)], ["weight", "bias"])
+    with pytest.raises(WeightsInconsistentError,
+                       match=r"a pull of 2 tensors failed mid-transfer .*\(ConnectionError\).*"
+                             r"Cause: ConnectionError: the sender went away"):
+        receiver.pull([MemorySource(new, fail_at=1)], ["weight", "bias"])
+    st = receiver.state.status()
+    assert st["weights_consistent"] is False and "failed mid-transfer" in st["inconsistent_reason"]
+    assert st["failed_pulls"] == 1 and st["failures"] == {"transfer": 1}
+    # The plans were dropped: the next pull plans (and walks) again.
+    assert receiver.pull([MemorySource(new)], ["weight", "bias"])["plan_reused"] is False
+
+
+def test_prepare_plans_and_writes_nothing(receiver):
+    before = receiver.model.weight.detach().clone()
+    src = MemorySource([torch.full((2, 4), 9.0)])
+    out = receiver.prepare([src], ["weight"])
+    assert out["tensors"] == 1 and out["plan_reused"] is False and src.reads == 1
+    assert torch.equal(receiver.model.weight, before)
+    assert receiver.state.status()["update_open"] is False  # nothing was admitted
+    assert receiver.pull([src], ["weight"])["plan_reused"] is True
+
+
+# --------------------------------------------------------------------------- #
 # Registration bookkeeping (memory saver, stale registrations)
 # --------------------------------------------------------------------------- #
 class FakeNixl:
@@ -146,7 +355,10 @@ def test_registration_book_syncs_to_current_storages():
     assert book.release_all() == 1 and not nixl.live
 
 
-def test_receiver_drops_registrations_on_release_and_restores_on_resume():
+def test_receiver_drops_registrations_on_release_and_restores_on_resume(monkeypatch):
+    # register() builds this process's Ray NIXL agent first, which would start a
+    # local Ray instance here; FakeNixl is all this test registers with.
+    monkeypatch.setattr(nixl_threads, "start_nixl_agent", lambda: 0)
     nixl = FakeNixl()
     model = torch.nn.Linear(4, 4)
     recv = RdtWeightReceiver(
@@ -218,16 +430,23 @@ def test_memory_saver_skips_registration_and_says_why():
     assert recv.status()["registered"] is False
 
 
-def test_receiver_refuses_bad_call_shapes_before_touching_anything():
-    model = torch.nn.Linear(2, 2)
-    recv = RdtWeightReceiver(lambda: dict(model.named_parameters()))
+def test_receiver_refuses_bad_call_shapes_before_touching_anything(receiver):
+    before = {n: p.detach().clone() for n, p in receiver.model.named_parameters()}
     with pytest.raises(WeightSyncError, match="empty pull"):
-        recv.pull([], [])
+        sources_of([])
+    with pytest.raises(WeightSyncError, match="empty pull"):
+        receiver.pull([], [])
     with pytest.raises(WeightSyncError, match="expected a ray.ObjectRef, got list"):
-        recv.pull([[torch.zeros(2)]], ["weight"])
-    recv.close()
+        sources_of([[torch.zeros(2)]])
+    with pytest.raises(WeightSyncError, match="weights_refs must be a list of refs"):
+        sources_of(None)
+    with pytest.raises(WeightSyncError, match="too many names.*first extra name: 'bias'"):
+        receiver.pull([MemorySource([torch.ones(2, 4)])], ["weight", "bias"])
+    assert receiver.state.status()["update_open"] is False  # refused before admission
+    receiver.close()
     with pytest.raises(WeightSyncError, match="engine is shut down"):
-        recv.pull([object()], ["weight"])
+        receiver.pull([MemorySource([torch.ones(2, 4)])], ["weight"])
+    assert all(torch.equal(p, before[n]) for n, p in receiver.model.named_parameters())
 
 
 def test_expandable_segment_detection_from_allocator_snapshot():

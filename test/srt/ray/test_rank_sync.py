@@ -1,10 +1,15 @@
 """The rank core (rdt/engine/rank_sync.py) around a plain model: the same code a
 SchedulerActor runs, driven through its scheduler-facing port
-(rdt/engine/standalone.py). Real pulls through it are in test_client.py
-(FakeRank) and the server tests."""
+(rdt/engine/standalone.py). Pulls here come from in-memory sources through
+``pull_sources`` (the lane's entry, the same path as ``pull_weights`` after
+the refs are turned into sources); pulls of real RDT refs are in
+test_receiver_faults.py and the server tests."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import os
 import threading
 
 import pytest
@@ -12,23 +17,71 @@ import torch
 
 from conftest import wait_until
 
-from sglang.srt.ray.rdt.engine.rank_sync import NOT_PAUSED, failure_kind
+from sglang.srt.ray.rdt import gc_pause
+from sglang.srt.ray.rdt.engine.plan import TensorSpec
+from sglang.srt.ray.rdt.engine.rank_sync import NOT_PAUSED, RankStatus, failure_kind
+from sglang.srt.ray.rdt.engine.receiver import GC_HOLDER
 from sglang.srt.ray.rdt.engine.standalone import standalone_rank
+from sglang.srt.ray.rdt.engine.update_state import Writer
 from sglang.srt.ray.rdt.errors import (
     WeightsInconsistentError,
     WeightSyncError,
     WeightUpdateConflictError,
 )
+from sglang.srt.ray.rdt.transport import same_node
+from sglang.srt.ray.rdt.transport.metadata import ReadResult
+
+TRAINER = Writer("process:a", "trainer process A")
+OTHER = Writer("process:b", "trainer process B")
+
+
+class MemorySource:
+    """A source whose tensors live in this process; ``fail_at``: raise after
+    that many tensors landed (a sender that went away mid-read)."""
+
+    def __init__(self, tensors, writer=TRAINER, fail_at=None):
+        self.tensors, self._writer, self.fail_at = list(tensors), writer, fail_at
+        self.threads = []
+
+    def specs(self, timeout_s):
+        return [TensorSpec(tuple(t.shape), t.dtype) for t in self.tensors]
+
+    def writer(self):
+        return self._writer
+
+    def read(self, targets, device, timeout_s, copy=True):
+        self.threads.append(threading.get_ident())
+        for i, (dst, src) in enumerate(zip(targets.tensors, self.tensors)):
+            if i == self.fail_at:
+                raise ConnectionError("the sender went away")
+            if copy:
+                dst.copy_(src)
+        return ReadResult("memory", len(self.tensors), int(targets.nbytes.sum()), 0.0)
+
+
+def weights(value: float):
+    return [torch.full((2, 4), value), torch.full((2,), value)]
+
+
+NAMES = ["weight", "bias"]
 
 
 @pytest.fixture
 def rank():
     model = torch.nn.Linear(4, 2)
     sync = standalone_rank(model, rank="test", pull_timeout_s=5)
-    sync.safe_point.lending = True  # whatever SGLANG_RDT_LEND_SAFE_POINT says here
+    sync.model = model
+    post_loads = sync.post_loads = []
+    sync.port.post_load = lambda: post_loads.append(threading.get_ident())
     yield sync
     sync.loop.stop()
     sync.shutdown()
+    gc_pause.resume(GC_HOLDER)  # a test that left its update open let go of the collector
+
+
+def _after_queued_work(rank):
+    """Returns once every task queued at the loop so far has run (the queue is FIFO)."""
+    rank.on_scheduler(lambda: None)
 
 
 def test_failure_kinds_of_pull_errors():
@@ -61,8 +114,21 @@ def test_pull_is_refused_unless_paused_or_in_a_session_and_counted(rank):
 def test_a_busy_rank_refuses_even_when_paused(rank):
     rank.port.is_paused = True
     rank.port.idle = lambda: False
+    src = MemorySource(weights(1.0))
     with pytest.raises(WeightSyncError, match="a batch is still running"):
-        rank.pull([object()], ["weight"])
+        rank.pull_sources([src], NAMES)
+    assert src.threads == []  # refused before the source was read
+
+
+def test_a_pull_reads_on_the_loop_thread_and_opens_an_update_under_a_pause(rank):
+    rank.port.is_paused = True
+    src = MemorySource(weights(2.0))
+    stats = rank.pull_sources([src], NAMES)
+    assert stats["tensors"] == 2 and stats["bytes"] == 40 and stats["transport"] == "memory"
+    assert src.threads == [rank.loop._thread.ident]
+    assert torch.equal(rank.model.weight, weights(2.0)[0])
+    progress = rank.state.in_progress()
+    assert progress["kind"] == "paused" and progress["params_written"] == 2
 
 
 def test_session_lifecycle_through_the_port(rank):
@@ -70,17 +136,90 @@ def test_session_lifecycle_through_the_port(rank):
     assert rank.port.is_session_open and rank.state.update_open
     out = rank.finalize(weight_version="v7")
     assert out["success"] and out["weight_version"] == "v7"
+    assert out["flushed_cache"] is False and rank.port.flushes == 0  # nothing was written
+    assert out["update"]["pulls"] == 0 and out["update"]["consistent"] is True
     assert not rank.port.is_session_open and not rank.state.update_open
+    assert rank.post_loads == [rank.loop._thread.ident]  # the session's end: post-load ran
     st = rank.status()
-    assert st["weights_consistent"] and st["weight_version"] == "v7" and st["updates"] == 1
+    assert st.weights_consistent and st.weight_version == "v7" and st.updates == 1
     assert rank.stats()["last_update"]["weight_version"] == "v7"
+
+
+def test_finalize_flushes_the_cache_only_when_asked_and_weights_were_written(rank):
+    rank.begin()
+    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
+    out = rank.finalize("v1", flush_cache=False)
+    assert out["flushed_cache"] is False and rank.port.flushes == 0
+    rank.begin()
+    rank.pull_sources([MemorySource(weights(2.0))], NAMES)
+    out = rank.finalize("v2")
+    assert out["flushed_cache"] is True and rank.port.flushes == 1
+    assert out["update"]["flushed_cache"] is True and out["update"]["params_updated"] == 2
+
+
+def test_finalize_without_a_version_keeps_the_current_one(rank):
+    rank.begin()
+    rank.finalize("v1")
+    rank.begin()
+    out = rank.finalize()
+    assert out["weight_version"] == "v1" and rank.port.version == "v1"
+    assert rank.status().updates == 2
+
+
+def test_finalize_under_a_plain_pause_runs_post_load_itself(rank):
+    rank.port.is_paused = True
+    rank.pull_sources([MemorySource(weights(3.0))], NAMES)
+    out = rank.finalize("v3")
+    assert out["success"] and out["update"]["params_updated"] == 2 and out["flushed_cache"]
+    assert rank.post_loads == [rank.loop._thread.ident]
+    assert not rank.port.is_session_open and not rank.state.update_open
 
 
 def test_finalize_without_pause_or_session_is_refused(rank):
     with pytest.raises(WeightSyncError, match="refusing to finalize while generation may run"):
         rank.finalize("v1")
     assert rank.port.version is None  # refused before the version moved
-    assert rank.state.status()["updates"] == 0
+    assert rank.state.status()["updates"] == 0 and rank.post_loads == []
+
+
+def test_finalize_of_a_broken_update_raises_its_reason_until_a_clean_update_ends(rank):
+    rank.port.is_paused = True
+    with pytest.raises(WeightsInconsistentError, match="failed mid-transfer"):
+        rank.pull_sources([MemorySource(weights(4.0), fail_at=1)], NAMES)
+    with pytest.raises(WeightSyncError, match=r"the update ended inconsistent: 2 parameters of a "
+                                              r"transfer that broke in this update were not written"):
+        rank.finalize("v4")
+    st = rank.status()
+    assert st.weights_consistent is False and st.failed_updates == 1
+    assert st.failures == {"transfer": 1}  # the rank's own refusal is not a finalize failure
+    rank.pull_sources([MemorySource(weights(5.0))], NAMES)
+    assert rank.finalize("v5")["update"]["consistent"] is True
+    assert rank.status().weights_consistent is True
+
+
+def test_finalize_after_two_writers_raises_the_conflict(rank):
+    rank.port.is_paused = True
+    rank.pull_sources([MemorySource(weights(1.0), writer=TRAINER)], NAMES)
+    with pytest.raises(WeightUpdateConflictError, match="'weight' was already written"):
+        rank.pull_sources([MemorySource(weights(2.0), writer=OTHER)], NAMES)
+    assert torch.equal(rank.model.weight, weights(1.0)[0])  # the second pull wrote nothing
+    with pytest.raises(WeightSyncError, match="the update ended inconsistent: parameter 'weight'"):
+        rank.finalize("v2")
+    assert rank.status().failures == {"conflict": 1}
+
+
+def test_a_finalize_that_breaks_is_counted_and_the_next_walk_still_queued(rank):
+    def broken_post_load():
+        raise RuntimeError("post-load processing failed")
+
+    rank.port.is_paused = True
+    rank.receiver.param_names()  # the first walk (a pull's)
+    rank.port.post_load = broken_post_load
+    with pytest.raises(RuntimeError, match="post-load processing failed"):
+        rank.finalize("v1")
+    assert rank.status().failures == {"finalize": 1}
+    _after_queued_work(rank)
+    assert not rank.receiver.needs_refresh()  # walked at the loop after the update's end
 
 
 def test_abort_closes_the_session_without_a_version(rank):
@@ -88,124 +227,189 @@ def test_abort_closes_the_session_without_a_version(rank):
     status = rank.abort("trainer died")
     assert not rank.port.is_session_open and not rank.state.update_open
     assert status["weights_consistent"]  # nothing was written
-    assert rank.port.version is None
+    assert rank.port.version is None and rank.post_loads == [rank.loop._thread.ident]
+
+
+def test_abort_after_a_pull_leaves_the_weights_inconsistent(rank):
+    rank.begin()
+    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
+    status = rank.abort("trainer died")
+    assert status["weights_consistent"] is False and status["inconsistent_reason"] == "trainer died"
+    assert status["failures"] == {"abort": 1} and rank.port.version is None
+
+
+def test_a_pull_after_shutdown_is_refused_and_shutdown_lets_go_of_the_collector(rank):
+    rank.port.is_paused = True
+    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
+    assert not gc.isenabled()  # the update is still open
+    rank.shutdown()
+    assert gc.isenabled()
+    src = MemorySource(weights(2.0))
+    with pytest.raises(WeightSyncError, match="the engine is shut down; this rank accepts no more pulls"):
+        rank.pull_sources([src], NAMES)
+    assert src.threads == [] and rank.state.status()["failures"] == {"rejected": 1}
+    assert torch.equal(rank.model.weight, weights(1.0)[0])
+    assert gc.isenabled()
 
 
 def test_layout_names_every_parameter(rank):
     layout = rank.parameter_layout()
     assert set(layout) == {"weight", "bias"}
     assert layout["weight"]["shape"] == [2, 4] and layout["weight"]["dtype"] == "float32"
+    assert layout["weight"]["data_ptr"] == rank.model.weight.data_ptr()
 
 
-def test_a_pull_ends_the_update_only_after_it_landed_and_checks_finalize_first(rank):
-    rank.port.is_paused = True
-    with pytest.raises(WeightSyncError, match=r"finalize= takes weight_version and flush_cache, "
-                       r"not \['version'\]"):
-        rank.pull([object()], ["weight"], finalize={"version": "v1"})
-    assert rank.state.status()["failures"] == {}  # refused before it reached the rank's loop
-    with pytest.raises(WeightSyncError, match="expected a ray.ObjectRef"):
-        rank.pull([object()], ["weight"], finalize={"weight_version": "v1"})
-    # The pull failed: nothing was ended, the version did not move.
-    assert rank.port.version is None and rank.state.status()["updates"] == 0
-
-
-def _wait_for(cond, timeout_s=10.0):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
+# --------------------------------------------------------------------------- #
+# The next update's walk of the model, after the update's end
+# --------------------------------------------------------------------------- #
+def _count_walks(rank):
+    walks = []
+    named = rank.port.named_parameters
+    rank.port.named_parameters = lambda: (walks.append(threading.get_ident()) or named())
+    rank.receiver.param_names()  # the first walk (a pull's)
+    assert walks == [threading.get_ident()]
+    return walks
 
 
 def test_the_next_updates_walk_of_the_model_runs_once_the_update_ended(rank):
     """After an update's end the next pull would walk the model (post-load
     may have replaced parameters); that walk runs at the loop's next safe
     point instead, on the loop's thread, and finds the same parameters."""
-    walks = []
-    named = rank.port.named_parameters
-    rank.port.named_parameters = lambda: (walks.append(threading.get_ident()) or named())
+    walks = _count_walks(rank)
     recv = rank.receiver
-    recv._plans.param_names()  # the first walk (a pull's)
-    assert walks == [threading.get_ident()]
     rank.begin()
     rank.finalize(weight_version="v1")  # the session's end: post-load ran
-    _wait_for(lambda: not recv.needs_refresh())
+    _after_queued_work(rank)
+    assert not recv.needs_refresh()
     assert walks[1:] == [rank.loop._thread.ident]
     assert recv.refresh() is False  # nothing left to do for the next pull
     assert len(walks) == 2
 
 
-def test_an_update_ended_in_a_lane_pull_walks_after_its_answer_left(rank, monkeypatch):
-    """A pull that ends the update (finalize=) must answer first: the walk
-    is posted once the lane sent the answer, not while it is on its way."""
-    from sglang.srt.ray.rdt.transport import sglang_ipc
+def test_finalize_with_walk_after_false_leaves_the_walk_to_its_caller(rank):
+    walks = _count_walks(rank)
+    rank.begin()
+    rank.finalize("v1", walk_after=False)
+    _after_queued_work(rank)
+    assert rank.receiver.needs_refresh() and len(walks) == 1  # nothing was queued
+    rank.prepare_next_pull()  # what the lane runs once its answer has left
+    _after_queued_work(rank)
+    assert not rank.receiver.needs_refresh() and walks[1:] == [rank.loop._thread.ident]
 
-    # open_lane says which Ray node the rank is on; no Ray here (asking would
-    # start a local one in the test process, which later fixtures then meet).
-    monkeypatch.setattr(sglang_ipc, "reach", lambda: {"node_id": "test-node", "gpus": []})
-    recv = rank.receiver
-    recv._plans.param_names()
-    order = []
 
-    def pull(refs, names, timeout, finalize):
-        # what RankWeightSync.pull does for a folded finalize, minus the bytes
-        rank._folding = True
-        try:
-            rank.on_scheduler(lambda: (recv.end_of_update(), rank.lane.end_of_update(),
-                                       rank._update_ended()))
-        finally:
-            rank._folding = False
-        order.append(("answered", recv.needs_refresh()))
-        return {"ok": True}
+def test_sglangs_end_weight_update_ends_the_update_with_a_flush_and_walks(rank):
+    """miles ends an update with /end_weight_update: sglang's session end,
+    whose listener ends the rank's update (flush, state) and queues the walk."""
+    walks = _count_walks(rank)
+    rank.on_scheduler(rank.port.begin_session)
+    rank.pull_sources([MemorySource(weights(6.0))], NAMES)
+    assert rank.on_scheduler(rank.port.end_session) is None  # a clean update
+    assert rank.port.flushes == 1 and rank.state.status()["updates"] == 1
+    _after_queued_work(rank)
+    assert not rank.receiver.needs_refresh() and walks[1:] == [rank.loop._thread.ident]
 
-    info = rank.open_lane("trainer-x", pull=pull)
+
+def test_an_update_ended_on_the_lane_walks_after_its_answer_left(rank, monkeypatch):
+    """A lane's finalize answers first: the next update's walk is queued once
+    the lane sent the answer, not while it is on its way."""
     from sglang.srt.ray.rdt.trainer.lane import RankLink
 
-    ref = type("Ref", (), {"hex": lambda self: "ef" * 20})()
-    rank.lane._held["trainer-x"] = {ref.hex(): ref}
-    link = RankLink(info["address"], info["secret"], info["pid"])
+    # open_lane says which Ray node the rank is on; asking Ray would start a
+    # local one in the test process, which later fixtures then meet.
+    monkeypatch.setattr(same_node, "_node_id", "test-node")
+    recv = rank.receiver
+    recv.param_names()
+    rank.port.is_paused = True
+    at_answer = []
+    finalize = rank.finalize
+
+    def recording_finalize(*args, **kwargs):
+        out = finalize(*args, **kwargs)
+        at_answer.append((kwargs, recv.needs_refresh(), rank._refresh_posted))
+        return out
+
+    monkeypatch.setattr(rank, "finalize", recording_finalize)
+    info = rank.open_lane("trainer-x", os.getpid())
+    assert info["node_id"] == "test-node"
+    link = RankLink(info["address"], info["secret"], info["pid"], "trainer-x")
     try:
-        assert link.send("pull_weights", {"ref_ids": [ref.hex()], "names": ["weight"]}).result(10) == {"ok": True}
+        out = link.send("finalize", {"weight_version": "v9"}).result(10)
     finally:
         link.close()
-    assert order == [("answered", True)]  # still to walk when the answer was built
-    _wait_for(lambda: not recv.needs_refresh())
+    assert out["weight_version"] == "v9"
+    # The answer was built with the walk still to do and not yet queued.
+    assert at_answer == [({"walk_after": False}, True, False)]
+    wait_until(lambda: not recv.needs_refresh(), 10, interval=0.005,
+               what="the walk queued after the lane's answer")
 
 
-def _parked(sync) -> bool:
-    return wait_until(lambda: sync.safe_point._parked, 5, interval=0.001,
-                      what="the loop waiting at its safe point")
+# --------------------------------------------------------------------------- #
+# The collector during an update (SGLANG_RDT_PAUSE_GC)
+# --------------------------------------------------------------------------- #
+def test_the_collector_stays_off_from_the_first_pull_until_the_update_ends(rank):
+    assert gc.isenabled()
+    rank.begin()
+    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
+    assert not gc.isenabled()
+    rank.pull_sources([MemorySource(weights(2.0))], NAMES)
+    assert not gc.isenabled()
+    rank.finalize("v1")
+    assert gc.isenabled()
 
 
-def test_a_quiet_loop_lends_pulls_to_the_callers_thread_but_never_the_updates_end(rank):
-    ran = []
-
-    def fake_pull(refs, names, timeout):
-        ran.append(("pull", threading.get_ident()))
-        return {"stages": {}, "timing": {}}
-
-    rank.receiver.pull = fake_pull
-    rank.port.post_load = lambda: ran.append(("post_load", threading.get_ident()))
+def test_a_rank_paused_for_the_next_update_collects_again_when_generation_continues(rank):
     rank.port.is_paused = True
-    me, loop = threading.get_ident(), rank.loop._thread.ident
-    # Paused and idle: the loop waits, lending its safe point. (It goes round
-    # every 0.5 ms; a call that comes between two waits goes to the loop.)
-    for _ in range(50):
-        assert _parked(rank)
-        out = rank.pull([object()], ["weight"])
-        if out["timing"].get("lent"):
-            break
-    assert ran[-1] == ("pull", me) and out["timing"]["lent"] is True
-    assert rank.safe_point.lent == 1 and all(r in (("pull", me), ("pull", loop)) for r in ran)
-    # With the update's end folded in (sglang's post-load): on the loop thread.
-    ran.clear()
-    assert _parked(rank)
-    out = rank.pull([object()], ["weight"], finalize={"weight_version": "v2"})
-    assert ran == [("pull", loop), ("post_load", loop)] and "lent" not in out["timing"]
-    assert out["finalized"]["weight_version"] == "v2" and rank.safe_point.lent == 1
-    # Lent or not, the quiescence check runs first: unpaused, a pull is refused.
+    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
+    rank.finalize("v1")
+    assert not gc.isenabled()  # paused: a pending collection would land in the next pull
     rank.port.is_paused = False
-    with pytest.raises(WeightSyncError, match=NOT_PAUSED):
-        rank.pull([object()], ["weight"])
-    assert ran == [("pull", loop), ("post_load", loop)]  # refused before the receiver
+    rank.on_scheduler(rank.on_generation_continued)
+    assert gc.isenabled()
+
+
+def test_sglang_rdt_pause_gc_0_leaves_the_collector_alone(rank, monkeypatch):
+    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "0")
+    rank.begin()
+    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
+    assert gc.isenabled() and gc_pause.holders() == set()
+    rank.finalize("v1")
+    assert gc.isenabled()
+
+
+# --------------------------------------------------------------------------- #
+# get_weight_sync_status
+# --------------------------------------------------------------------------- #
+def test_status_reports_the_update_the_receiver_and_the_loop(rank, monkeypatch):
+    st = rank.status()
+    assert isinstance(st, RankStatus)
+    assert set(st.as_dict()) == {f.name for f in dataclasses.fields(RankStatus)}
+    assert (st.enabled, st.weights_consistent, st.update_open, st.update_in_progress) == (
+        True, True, False, None)
+    assert (st.pulls, st.tensors, st.bytes, st.last_pull, st.updates) == (0, 0, 0, None, 0)
+    assert (st.registered, st.registrations, st.weights_released) == (False, 0, False)
+    assert st.transports == ["NIXL"] and st.ipc_reach is None and st.device_uuid is None
+    assert st.lane == {"open": False} and st.event_loop == "running"
+
+    rank.port.is_paused = True
+    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
+    st = rank.status()
+    assert st.update_open and st.update_in_progress["kind"] == "paused"
+    assert st.update_in_progress["params_written"] == 2 and st.update_in_progress["writers"] == 1
+    assert (st.pulls, st.tensors, st.bytes) == (1, 2, 40) and st.last_pull["transport"] == "memory"
+
+    rank.finalize("v2")
+    st = rank.status()
+    assert not st.update_open and st.updates == 1 and st.weight_version == "v2"
+    assert st.last_update["weight_version"] == "v2" and st.last_update["params_updated"] == 2
+
+    # A rank that reads same-node sources says where from; its lane, once open.
+    monkeypatch.setattr(same_node, "_node_id", "test-node")
+    monkeypatch.setattr(same_node, "reach", lambda: {"node_id": "test-node", "gpus": []})
+    rank.transports.append("SGLANG_IPC")
+    rank.open_lane("trainer-x", os.getpid())
+    st = rank.status()
+    assert st.ipc_reach == {"node_id": "test-node", "gpus": []}
+    assert st.lane == {"open": True, "senders": 1, "calls": 0}
+
+    rank.loop.stop()
+    assert rank.status().event_loop == "stopped"

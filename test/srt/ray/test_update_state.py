@@ -123,6 +123,54 @@ def test_broken_transfer_stays_inconsistent_until_its_parameters_land_again():
     assert st.end()["consistent"] is True
 
 
+def test_parameters_of_a_broken_pull_may_be_written_again_by_another_writer():
+    """A broken transfer's bytes are gone: whoever wrote those parameters
+    before no longer owns them, and the writer that lands them completely
+    makes the update whole."""
+    st, _ = _state()
+    st.begin()
+    _pull(st, ["w1", "w2"], A)
+    st.admit([(["w1", "w2"], A)])
+    st.transfer_failed(["w1", "w2"], "a pull failed mid-transfer")
+    assert st.in_progress()["params_written"] == 0
+    _pull(st, ["w1", "w2"], B)  # no conflict: A's bytes there are gone
+    with pytest.raises(WeightUpdateConflictError, match="'w1' was already written in this update by "
+                                                        "actor TrainerB"):
+        st.admit([(["w1"], A)])  # B's bytes now are not
+    s = st.end()
+    assert s["conflict"] is not None and s["consistent"] is False
+
+
+def test_landed_pulls_are_summed_per_update_and_in_the_rank_totals():
+    st, _ = _state()
+    assert st.wrote_weights is False and st.update_kind is None
+    st.begin()
+    assert st.wrote_weights is False and st.update_kind == "session"  # open, nothing written
+    st.admit([(["w1"], A), (["w2"], A)])
+    st.landed([(["w1"], A), (["w2"], A)], _stats(2, 64, ("cma",)))
+    st.admit([(["w1", "w3"], A)])
+    st.landed([(["w1", "w3"], A)], _stats(2, 32, ("nixl", "cma")))
+    assert st.wrote_weights is True
+    assert st.in_progress() == {"kind": "session", "pulls": 2, "tensors": 4, "bytes": 96,
+                                "params_written": 3, "writers": 1, "rewrites": 1, "conflict": None}
+    totals = st.status()
+    assert (totals["pulls"], totals["tensors"], totals["bytes"], totals["seconds"]) == (2, 4, 96, 1.0)
+    assert totals["last_pull"]["bytes"] == 32
+    s = st.end()
+    assert s["transport"] == "cma,nixl" and s["transfer_seconds"] == pytest.approx(0.5)
+    assert s["params_updated"] == 3 and s["rewrites"] == 1 and s["never_written"] == ["w4"]
+    assert st.wrote_weights is False and st.status()["pulls"] == 2  # totals outlive the update
+
+
+def test_a_broken_pull_counts_as_written_weights_and_a_failed_pull():
+    st, _ = _state()
+    st.begin()
+    st.admit([(["w1"], A)])
+    st.transfer_failed(["w1"], "broke")
+    assert st.wrote_weights is True  # its bytes may have landed: the cache must be flushed
+    assert st.status()["failed_pulls"] == 1 and st.status()["pulls"] == 0
+
+
 def test_abort_leaves_touched_weights_inconsistent_and_untouched_ones_consistent():
     st, _ = _state()
     st.begin()

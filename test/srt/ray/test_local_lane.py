@@ -1,228 +1,336 @@
-"""The same-node call lane (engine/local_lane.py, trainer/lane.py), without Ray.
+"""The same-node call lane: the rank's side (engine/local_lane.py) and the
+trainer's (trainer/lane.py).
 
-A rank's lane runs whatever pull it was given for a request that carries its
-secret and names refs it holds; these tests give it a recording pull and
-talk to it through the trainer side's own RankLink.
+Most tests run a rank core (``standalone_rank``: the SchedulerActor's pull
+path around a toy model) in this process, serve its lane and talk to it
+through the trainer side's own ``RankLink``/``Lanes``; the trainer's tensors
+are read with ``process_vm_readv`` as on any CPU host. A rank that dies and
+the lanes a client opens through Ray use real rank actors.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import subprocess
-import time
-
 import socket
+import subprocess
+import threading
 
 import pytest
+import torch
 
-from sglang.srt.ray.rdt.defaults import LANE_NOT_HELD as NOT_HELD
-from sglang.srt.ray.rdt.engine.local_lane import RankLane
-from sglang.srt.ray.rdt.errors import WeightSyncError, WeightsInconsistentError
-from sglang.srt.ray.rdt.lane_wire import recv_frame, send_frame
-from sglang.srt.ray.rdt.trainer.lane import LaneCall, RankGone, RankLink
+from conftest import wait_until
 
+from sglang.srt.ray.rdt import lane_wire
+from sglang.srt.ray.rdt.engine.local_lane import DIR_PREFIX, remove_dead_lanes
+from sglang.srt.ray.rdt.engine.standalone import standalone_rank
+from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
+from sglang.srt.ray.rdt.lane_wire import FRAME, recv_frame, send_frame
+from sglang.srt.ray.rdt.ranks import gather
+from sglang.srt.ray.rdt.trainer import buckets
+from sglang.srt.ray.rdt.trainer.discovery import RankInfo
+from sglang.srt.ray.rdt.trainer.lane import Lanes, RankGone, RankLink
+from sglang.srt.ray.rdt.transport import same_node
 
-class FakeRef:
-    def __init__(self, hex_id: str):
-        self._hex = hex_id
-
-    def hex(self) -> str:
-        return self._hex
+NODE = "lane-test-node"
 
 
 @pytest.fixture
-def lane():
-    calls = []
-
-    def pull(refs, names, timeout, finalize):
-        calls.append((refs, names, timeout, finalize))
-        if names == ["boom"]:
-            raise WeightsInconsistentError("the transfer broke half-way")
-        return {"tensors": len(names), "refs": [r.hex() for r in refs]}
-
-    lane = RankLane(pull)
-    info = lane.open("trainer-a")
-    lane.calls_seen = calls
-    lane.info = info
-    yield lane
-    lane.close()
+def rank(monkeypatch):
+    """A paused rank core around a two-layer model, in this process. Its lane
+    asks which Ray node it is on: that is set here (asking Ray would start
+    one in the test process)."""
+    monkeypatch.setattr(same_node, "_node_id", NODE)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    sync = standalone_rank(model, rank="lane-test", pull_timeout_s=10)
+    sync.port.is_paused = True  # pulls are accepted; each update ends with finalize
+    sync.model = model
+    yield sync
+    sync.loop.stop()
+    sync.shutdown()
 
 
-def test_a_lane_call_runs_the_ranks_pull_on_a_held_ref_and_returns_its_result(lane):
-    ref = FakeRef("ab" * 20)
-    lane._held["trainer-a"] = {ref.hex(): ref}  # what keep() records after a read through Ray
-    link = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
+def open_link(rank, sender=None):
+    """Open ``rank``'s lane for this process and connect to it (hello included)."""
+    sender = sender or same_node.token()
+    info = rank.open_lane(sender, os.getpid())
+    return info, RankLink(info["address"], info["secret"], info["pid"], sender)
+
+
+def group_of(named, layout: int) -> buckets.Group:
+    (group,) = buckets.cut(named.items(), 1 << 30)
+    group.layout = layout
+    return group
+
+
+def new_weights(model, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------- #
+# Who may call
+# --------------------------------------------------------------------------- #
+def test_hello_admits_only_the_trainer_process_that_opened_the_lane(rank):
+    info, link = open_link(rank, "trainer-a")
     try:
-        out = link.send("pull_weights", {"ref_ids": [ref.hex()], "names": ["w", "b"], "timeout": 5.0,
-                                         "finalize": {"weight_version": "7"}}).result(10)
-        assert out == {"tensors": 2, "refs": [ref.hex()]}
-        (refs, names, timeout, finalize), = lane.calls_seen
-        assert refs == [ref] and names == ["w", "b"] and timeout == 5.0
-        assert finalize == {"weight_version": "7"}
-        # The rank's own exception comes back as itself.
-        with pytest.raises(WeightsInconsistentError, match="the transfer broke half-way"):
-            link.send("pull_weights", {"ref_ids": [ref.hex()], "names": ["boom"]}).result(10)
-        assert lane.status() == {"open": True, "senders": 1, "held_refs": 1, "calls": 2}
-        assert lane.release("trainer-a") == 1 and lane.status()["held_refs"] == 0
+        assert info["node_id"] == NODE and info["pid"] == os.getpid()
+        assert rank.lane.status() == {"open": True, "senders": 1, "calls": 1}  # the hello
+        assert rank.status().lane == rank.lane.status()
+        # A process that did not ask the actor for the lane is refused by name.
+        with pytest.raises(WeightSyncError, match=r"refused the call: this trainer process did not "
+                           r"open the lane \(open_weight_sync_lane\)"):
+            RankLink(info["address"], info["secret"], info["pid"], "trainer-b")
+        # With the secret but without a hello, nothing is served.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(info["address"])
+            send_frame(sock, info["secret"], b"\x07" * 8, pickle.dumps(("finalize", {})))
+            body = recv_frame(sock)
+        assert body[:8] == b"\x07" * 8 and pickle.loads(body[8:]) == ("error", "say hello first")
+        assert rank.state.status()["updates"] == 0  # the finalize did not run
     finally:
         link.close()
 
 
-def test_a_ref_the_rank_does_not_hold_is_refused_before_anything_runs(lane):
-    link = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
-    try:
-        call = link.send("pull_weights", {"ref_ids": ["cd" * 20], "names": ["w"]})
-        with pytest.raises(WeightSyncError, match=rf"refused the call \({NOT_HELD}\): ref cdcdcdcdcdcdcdcd "
-                           "is not held by this rank"):
-            call.result(10)
-        # With a fall-back, the same refusal sends the call through it instead.
-        fell_back = []
-        call = link.send("pull_weights", {"ref_ids": ["cd" * 20], "names": ["w"]},
-                         fallback=lambda: fell_back.append(1) or _Ready({"through": "ray"}))
-        assert isinstance(call, LaneCall)
-        assert _result_via(call, 10) == {"through": "ray"} and fell_back == [1]
-    finally:
-        link.close()
-    assert lane.calls_seen == []
-
-
-def test_a_wrong_secret_is_denied_without_unpickling_the_request(lane, tmp_path):
+def test_a_wrong_secret_is_denied_without_unpickling_the_request(rank, tmp_path):
+    info, link = open_link(rank)
+    link.close()
     marker = tmp_path / "unpickled"
 
     class Evil:
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect(lane.info["address"])
-    try:
-        send_frame(sock, b"x" * 16, b"\x01" * 8, pickle.dumps(("pull_weights", Evil())))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(info["address"])
+        send_frame(sock, b"x" * 16, b"\x01" * 8, pickle.dumps(("hello", Evil())))
         body = recv_frame(sock)
         assert body[:8] == b"\x01" * 8
-        assert pickle.loads(body[8:]) == ("error", "denied", "wrong lane secret")
+        assert pickle.loads(body[8:]) == ("error", "wrong lane secret")
         # Not a frame of ours (too short to hold the secret): the lane hangs up.
         send_frame(sock, b"short")
         assert recv_frame(sock) is None
-    finally:
-        sock.close()
-    assert not marker.exists() and lane.calls_seen == []
-    assert os.stat(os.path.dirname(lane.info["address"])).st_mode & 0o077 == 0
+    assert not marker.exists()
+    # The trainer side says so at its hello.
+    with pytest.raises(WeightSyncError, match="refused the call: wrong lane secret"):
+        RankLink(info["address"], b"y" * 16, info["pid"], same_node.token())
+    # Only this user may reach the socket at all.
+    assert os.stat(os.path.dirname(info["address"])).st_mode & 0o077 == 0
+    assert os.path.basename(os.path.dirname(info["address"])).startswith(f"{DIR_PREFIX}{os.getpid()}-")
 
 
-def test_a_rank_whose_process_is_gone_fails_the_call_at_once(tmp_path):
-    # A socket that never answers, and a "rank" pid that has exited.
-    address = str(tmp_path / "silent")
-    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    silent.bind(address)
-    silent.listen(4)
-    proc = subprocess.Popen(["sleep", "60"])
-    link = RankLink(address, b"s" * 16, proc.pid)
+# --------------------------------------------------------------------------- #
+# Layouts and pulls
+# --------------------------------------------------------------------------- #
+def test_a_layout_is_defined_once_per_connection_and_later_pulls_name_it(rank):
+    model = rank.model
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    _, link = open_link(rank)
+    lanes = Lanes()
+    lanes.links[0] = link
+    sent = []  # (op, what each request carried)
+    real_send = link.send
+    link.send = lambda op, kw: sent.append((op, dict(kw))) or real_send(op, kw)
     try:
-        call = link.send("pull_weights", {"ref_ids": [], "names": []})
-        proc.kill()
-        proc.wait()
-        t0 = time.monotonic()
-        with pytest.raises(RankGone, match=rf"the rank's process \(pid {proc.pid}\) exited during the call"):
-            call.result(120)
-        assert time.monotonic() - t0 < 5
-        # A live but silent rank: bounded by the caller's timeout.
-        alive = subprocess.Popen(["sleep", "60"])
+        # The first pull of layout 7 carries its names and specs.
+        w1 = new_weights(model, 1)
+        g1 = group_of(w1, layout=7)
+        call = lanes.pull(0, g1, same_node.export(g1.tensors, with_specs=False), 10.0)
+        out = call.result(30)
+        assert sent[-1][0] == "pull"
+        assert sent[-1][1]["names"] == list(w1) and sent[-1][1]["specs"] == g1.specs()
+        assert (out["tensors"], out["transport"], out["plan_reused"]) == (4, "cma", False)
+        assert all(torch.equal(p, w1[n]) for n, p in model.named_parameters())
+        assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs  # in place
+        # Known on this lane only once the trainer saw the pull succeed.
+        assert call.defines == 7 and link.defined == set()
+        lanes.defined(0, call)
+        assert link.defined == {7}
+
+        # New tensors of the same layout: the request names the layout only.
+        w2 = new_weights(model, 2)
+        g2 = group_of(w2, layout=7)
+        call = lanes.pull(0, g2, same_node.export(g2.tensors, with_specs=False), 10.0)
+        out = call.result(30)
+        assert sent[-1][1]["names"] is None and sent[-1][1]["specs"] is None
+        assert call.defines is None and out["plan_reused"] is True
+        assert all(torch.equal(p, w2[n]) for n, p in model.named_parameters())
+
+        # A layout never defined on this connection is refused before any byte moves.
+        w3 = new_weights(model, 3)
+        g3 = group_of(w3, layout=8)
+        with pytest.raises(KeyError, match="layout 8 was never defined on this connection"):
+            link.send("pull", {"layout": 8, "names": None, "specs": None, "timeout": 10.0,
+                               "source": same_node.export(g3.tensors, with_specs=False)}).result(30)
+        # So is a definition whose names do not fit its tensors.
+        with pytest.raises(WeightSyncError, match="layout 9: 1 names for 4 tensors"):
+            link.send("pull", {"layout": 9, "names": ["0.weight"], "specs": g3.specs(), "timeout": 10.0,
+                               "source": same_node.export(g3.tensors, with_specs=False)}).result(30)
+        assert all(torch.equal(p, w2[n]) for n, p in model.named_parameters())
+
+        # Definitions belong to a connection: another one must define layout 7 again.
+        _, other = open_link(rank)
         try:
-            slow = RankLink(address, b"s" * 16, alive.pid)
-            with pytest.raises(TimeoutError, match="no answer on the call lane within the timeout"):
-                slow.send("ping", {}).result(0.5)
-            # A rank whose lane connection closes (its process exited) is named
-            # as soon as the connection ends.
-            conn, _ = silent.accept()
-            conn, _ = silent.accept()  # the second link's
-            call = slow.send("ping", {})
-            conn.close()
-            t0 = time.monotonic()
-            with pytest.raises(RankGone, match=r"exited during the call, or closed its lane \(the "
-                               "connection ended"):
-                call.result(120)
-            assert time.monotonic() - t0 < 5
-            slow.close()
+            with pytest.raises(KeyError, match="layout 7 was never defined on this connection"):
+                other.send("pull", {"layout": 7, "names": None, "specs": None, "timeout": 10.0,
+                                    "source": same_node.export(g3.tensors, with_specs=False)}).result(30)
+            fresh = Lanes()
+            fresh.links[0] = other
+            g3.layout = 7
+            assert fresh.pull(0, g3, same_node.export(g3.tensors, with_specs=False), 10.0).result(30)["tensors"] == 4
+            assert all(torch.equal(p, w3[n]) for n, p in model.named_parameters())
         finally:
-            alive.kill()
-            alive.wait()
+            other.close()
+
+        # The update ends over the lane too; its writer is this trainer process.
+        done = link.send("finalize", {"weight_version": "v3"}).result(30)
+        assert done["weight_version"] == "v3" and done["update"]["consistent"] is True
+        assert done["update"]["pulls"] == 3
+        assert done["update"]["writer_labels"] == [f"trainer process {os.getpid()} (same-node lane)"]
+    finally:
+        lanes.close()
+
+
+def test_the_ranks_own_failure_comes_back_as_itself(rank):
+    """A pull the rank refuses raises the rank's exception on the trainer side."""
+    _, link = open_link(rank)
+    try:
+        rank.port.is_paused = False  # generation runs: no pull may land
+        w = new_weights(rank.model, 4)
+        g = group_of(w, layout=1)
+        lanes = Lanes()
+        lanes.links[0] = link
+        call = lanes.pull(0, g, same_node.export(g.tensors, with_specs=False), 10.0)
+        with pytest.raises(WeightSyncError, match="refusing to pull weights while generation may run"):
+            call.result(60)
+        assert not any(torch.equal(p, w[n]) for n, p in rank.model.named_parameters())
+        assert rank.state.status()["failures"] == {"rejected": 1}
+        assert not link.broken  # a refusal is an answer: the lane stays up
     finally:
         link.close()
-        silent.close()
 
 
-def test_a_client_stalling_in_a_frame_is_cut_off_and_others_are_served(lane, monkeypatch):
-    from sglang.srt.ray.rdt import lane_wire
-
+# --------------------------------------------------------------------------- #
+# Nothing hangs
+# --------------------------------------------------------------------------- #
+def test_a_trainer_stalling_in_a_frame_is_cut_off_and_others_are_served(rank, monkeypatch):
     monkeypatch.setattr(lane_wire, "FRAME_TIMEOUT_S", 0.3)
-    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stalled.settimeout(10)
-    stalled.connect(lane.info["address"])
+    info, first = open_link(rank)
+    first.close()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stalled:
+        stalled.settimeout(10)
+        stalled.connect(info["address"])
+        stalled.sendall(FRAME.pack(1000) + b"x" * 10)  # ... and nothing more
+        # The lane hangs up on it (recv_frame raises socket.timeout after 10 s otherwise).
+        assert recv_frame(stalled, timeout_s=10) is None
+    _, link = open_link(rank)
     try:
-        stalled.sendall(lane_wire.FRAME.pack(1000) + b"x" * 10)  # ... and nothing more
-        t0 = time.monotonic()
-        assert recv_frame(stalled, timeout_s=10) is None  # the lane hung up on it
-        assert time.monotonic() - t0 < 5
-        link = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
-        try:
-            assert link.send("ping", {}).result(10) == {"pid": os.getpid()}
-        finally:
-            link.close()
+        assert link.send("abort", {"reason": "test"}).result(10)["weights_consistent"] is True
     finally:
-        stalled.close()
+        link.close()
 
 
-def test_a_broken_lane_is_dropped_and_pulls_go_through_ray(lane):
-    from types import SimpleNamespace
+class ScriptedRank:
+    """A Unix socket that answers the hello as a rank's lane does, then hands
+    the next request's id to ``then(conn, req_id)``; it holds the connection
+    open until closed."""
 
-    from sglang.srt.ray.rdt.trainer.lane import Lanes
+    def __init__(self, path: str, then):
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(1)
+        self.listener.settimeout(30)
+        self.then = then
+        self.conn = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
 
-    ref = FakeRef("ab" * 20)
-    through_ray = []
-    actor = SimpleNamespace(pull_weights=SimpleNamespace(
-        remote=lambda refs, names, timeout, **kw: through_ray.append(names) or "ray-call"))
-    rank = SimpleNamespace(index=0, actor=actor, label=lambda: "rank 0")
-    lanes = Lanes()
-    lanes.links[0] = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
-    lanes.held(0, ref)
-    lane._held["trainer-a"] = {ref.hex(): ref}
-    call = lanes.pull(rank, ref, ["w"], None, {})
-    assert isinstance(call, LaneCall) and call.result(10)["tensors"] == 1
-    lane.close()  # the rank's lane goes away (its process lives on)
-    call = lanes.pull(rank, ref, ["w"], None, {})
-    if isinstance(call, LaneCall):  # the request left before the close was seen
-        with pytest.raises(RankGone, match="closed its lane"):
-            call.result(10)
-        call = lanes.pull(rank, ref, ["w"], None, {})
-    assert call == "ray-call" and through_ray == [["w"]]
-    assert 0 not in lanes.links  # later pulls do not try the lane again
-    assert lanes.pull(rank, ref, ["w"], None, {}) == "ray-call"
+    def _serve(self):
+        conn, _ = self.listener.accept()
+        self.conn = conn
+        body = recv_frame(conn, timeout_s=30)
+        send_frame(conn, body[16:24], pickle.dumps(("ok", {"pid": os.getpid()})))
+        body = recv_frame(conn, timeout_s=30)
+        self.then(conn, body[16:24])
 
-
-def test_a_dropped_lane_still_answers_the_calls_already_sent(lane):
-    """Two bucket pulls in flight, the second's send fails: the lane is
-    dropped for new calls, but the first still gets its answer (else its
-    slot would never be released)."""
-    from sglang.srt.ray.rdt.trainer.lane import Lanes
-
-    lanes = Lanes()
-    lanes.links[0] = RankLink(lane.info["address"], lane.info["secret"], lane.info["pid"])
-    call = lanes.links[0].send("ping", {})
-    lanes._drop(0)
-    assert 0 not in lanes.links
-    assert call.result(10) == {"pid": os.getpid()}
-    lanes.close()
+    def close(self):
+        self.thread.join(timeout=30)
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
 
 
-def test_a_dead_ranks_lane_directory_is_removed_by_the_next_lane(tmp_path):
+def test_a_rank_stalling_in_its_answer_breaks_the_lane_instead_of_holding_the_trainer(tmp_path, monkeypatch):
+    monkeypatch.setattr(lane_wire, "FRAME_TIMEOUT_S", 0.3)
+    path = str(tmp_path / "lane")
+    server = ScriptedRank(path, lambda conn, req_id: conn.sendall(FRAME.pack(100) + req_id + b"x"))
+    link = RankLink(path, b"s" * 16, os.getpid(), "trainer")
+    try:
+        call = link.send("pull", {})
+        # (socket.timeout is TimeoutError; its text is the socket's or recv_frame's own)
+        with pytest.raises(RankGone, match=r"or closed its lane \(the connection ended \(TimeoutError: "):
+            call.result(120)
+        assert link.broken
+        with pytest.raises(RankGone, match=r"the call lane to the rank \(pid \d+\) broke earlier"):
+            link.send("abort", {})
+    finally:
+        link.close()
+        server.close()
+
+
+def test_a_call_waits_no_longer_than_its_timeout_and_names_a_rank_process_that_exited(tmp_path):
+    path = str(tmp_path / "lane")
+    server = ScriptedRank(path, lambda conn, req_id: None)  # never answers
+    rank_process = subprocess.Popen(["sleep", "120"])
+    try:
+        link = RankLink(path, b"s" * 16, rank_process.pid, "trainer")
+        call = link.send("pull", {})
+        # Alive but silent: bounded by the caller's timeout, the lane stays usable.
+        with pytest.raises(TimeoutError, match=rf"no answer on the call lane within the timeout \(is the "
+                           rf"scheduler of pid {rank_process.pid} stuck\?\)"):
+            call.result(0.5)
+        assert not link.broken
+        # Its process exits while the socket stays open (here, held by another
+        # process): the liveness check names it instead of waiting out 120 s.
+        rank_process.kill()
+        rank_process.wait()
+        with pytest.raises(RankGone, match=rf"the rank's process \(pid {rank_process.pid}\) exited during the call$"):
+            call.result(120)
+        assert link.broken
+        link.close()
+    finally:
+        if rank_process.poll() is None:
+            rank_process.kill()
+            rank_process.wait()
+        server.close()
+
+
+# --------------------------------------------------------------------------- #
+# Closing and dead ranks
+# --------------------------------------------------------------------------- #
+def test_close_stops_serving_and_removes_the_socket_directory(rank):
+    info, link = open_link(rank)
+    directory = os.path.dirname(info["address"])
+    assert os.path.isdir(directory)
+    rank.shutdown()  # the rank core closes its lane
+    assert not os.path.exists(directory)
+    assert rank.lane.status()["open"] is False
+    with pytest.raises(RuntimeError, match="the rank's lane is closed"):
+        rank.open_lane("trainer-b", 1)
+    # The trainer's connection ends with the lane: its next call says so.
+    with pytest.raises(RankGone, match=rf"the call lane to the rank \(pid {os.getpid()}\) broke|closed its lane"):
+        link.send("abort", {}).result(30)
+    link.close()
+
+
+def test_the_lane_directory_of_a_dead_rank_is_removed_by_the_next_lane(tmp_path):
     """A killed rank cannot remove its socket directory; the next lane that
     starts on the host removes those of processes that are gone."""
-    from sglang.srt.ray.rdt.engine.local_lane import DIR_PREFIX, remove_dead_lanes
-
-    proc = subprocess.Popen(["sleep", "60"])
-    alive = tmp_path / f"{DIR_PREFIX}{proc.pid}-abc"
+    alive_proc = subprocess.Popen(["sleep", "60"])
+    alive = tmp_path / f"{DIR_PREFIX}{alive_proc.pid}-abc"
     alive.mkdir()
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -235,33 +343,74 @@ def test_a_dead_ranks_lane_directory_is_removed_by_the_next_lane(tmp_path):
         assert remove_dead_lanes(str(tmp_path)) == 1
         assert not dead.exists() and alive.exists() and other.exists()
     finally:
-        proc.kill()
-        proc.wait()
+        alive_proc.kill()
+        alive_proc.wait()
 
 
-def test_close_stops_serving_and_removes_the_socket(lane):
-    path = lane.info["address"]
-    assert os.path.exists(path)
-    lane.close()
-    assert not os.path.exists(os.path.dirname(path))
-    with pytest.raises(RuntimeError, match="the rank's lane is closed"):
-        lane.open("trainer-b")
+def test_a_rank_killed_during_a_lane_pull_is_named_at_once(ray_client):
+    """A real rank actor is killed while its lane pull waits on its scheduler
+    thread: the trainer's wait ends with RankGone, named by rank, not a timeout;
+    the lane is dropped; the dead rank's socket directory goes away."""
+    from client_actors import FakeRank
+    from rdt_actors import process_gone
+
+    victim = FakeRank.remote(0)
+    info = ray_client.get(victim.open_weight_sync_lane.remote(same_node.token(), os.getpid()), timeout=120)
+    assert info["node_id"] == same_node.node_id()
+    lanes = Lanes()
+    lanes.links[0] = RankLink(info["address"], info["secret"], info["pid"], same_node.token())
+    layout = ray_client.get(victim.get_parameter_layout.remote(), timeout=60)
+    named = {n: torch.ones(spec["shape"]) for n, spec in layout.items()}
+    group = group_of(named, layout=1)
+    ray_client.get(victim.configure.remote(delay_s=600), timeout=60)  # the pull waits before reading
+    call = lanes.pull(0, group, same_node.export(group.tensors, with_specs=False), 600)
+    wait_until(lambda: ray_client.get(victim.log.remote(), timeout=60)["starts"], 60,
+               interval=0.05, what="the lane pull to reach the rank's scheduler thread")
+    ray_client.kill(victim)
+    with pytest.raises(WeightSyncRankError) as e:
+        gather([(0, call)], "pull of step 1", 600)
+    assert isinstance(e.value.cause, RankGone)
+    assert str(e.value).startswith(f"rank 0 failed during pull of step 1: RankGone: the rank's process "
+                                   f"(pid {info['pid']}) exited during the call")
+    assert lanes.link(0) is None  # later calls go through Ray
+    lanes.close()
+    # The killed process could not remove its socket directory; the next lane
+    # that starts on the host removes it once the process is gone (a zombie
+    # still counts as there until its parent reaps it).
+    directory = os.path.dirname(info["address"])
+    wait_until(lambda: process_gone(info["pid"]), 60, what="the killed rank's process to exit")
+    wait_until(lambda: remove_dead_lanes(os.path.dirname(directory)) >= 0 and not os.path.exists(directory),
+               60, what="the dead rank's lane directory to be removed")
 
 
-# -- helpers ------------------------------------------------------------------ #
-class _Ready:
-    """Stands in for the fall-back's ObjectRef."""
+def test_a_client_opens_lanes_to_the_ranks_on_its_node_only(ray_client, caplog):
+    """Lanes.open asks each rank on this node for its lane; a rank elsewhere,
+    or one whose lane cannot open, is left to Ray calls (with a warning)."""
+    from client_actors import FakeRank
 
-    def __init__(self, value):
-        self.value = value
-
-
-def _result_via(call, timeout_s):
-    import ray
-
-    real_get = ray.get
-    ray.get = lambda ref, timeout=None: ref.value if isinstance(ref, _Ready) else real_get(ref, timeout=timeout)
+    actors = [FakeRank.remote(i) for i in range(3)]
     try:
-        return call.result(timeout_s)
+        # Rank 2 served a lane once and has been shut down since: its lane stays closed.
+        ray_client.get(actors[2].open_weight_sync_lane.remote("an-earlier-trainer", 1), timeout=120)
+        ray_client.get(actors[2].shutdown_weight_sync.remote(), timeout=60)
+        here = same_node.node_id()
+        statuses = [{"ipc_reach": {"node_id": here}}, {"ipc_reach": {"node_id": "another-node"}},
+                    {"ipc_reach": {"node_id": here}}]
+        ranks = [RankInfo(i, a, f"fake-{i}") for i, a in enumerate(actors)]
+        lanes = Lanes()
+        with caplog.at_level("WARNING", logger="sglang.srt.ray.rdt.trainer.lane"):
+            lanes.open(ranks, statuses, 120)
+        try:
+            assert set(lanes.links) == {0}
+            st = ray_client.get(actors[0].get_weight_sync_status.remote(), timeout=60)["lane"]
+            assert st == {"open": True, "senders": 1, "calls": 1}
+            assert ray_client.get(actors[1].get_weight_sync_status.remote(), timeout=60)["lane"] == {"open": False}
+            assert any("no call lane to rank 2 (fake-2)" in r.getMessage() for r in caplog.records)
+            lanes.open(ranks, statuses, 120)  # once only
+            assert ray_client.get(actors[0].get_weight_sync_status.remote(), timeout=60)["lane"]["calls"] == 1
+        finally:
+            lanes.close()
+        assert lanes.links == {} and lanes.link(0) is None
     finally:
-        ray.get = real_get
+        for a in actors:
+            ray_client.kill(a)

@@ -1,0 +1,117 @@
+"""Ray actors of the GPU tests: a rank on GPU 0 and a trainer on GPU 0.
+
+``GpuRank`` is the product's standalone rank (``StandaloneRank``: the
+SchedulerActor's weight-sync API over the rank core) around a model of
+``n`` float32 vectors on ``cuda:0``. ``GpuTrainer`` drives it with the
+product's ``WeightSyncClient`` from another process on the same GPU: the
+client's route is then *direct* (the rank reads the trainer's own tensors
+over CUDA IPC through its call lane). Both are created with
+``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` so that each sees the GPU
+without asking Ray for one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+from typing import Any, Dict, List
+
+import ray
+import torch
+
+from sglang.srt.ray.rdt.engine.standalone import StandaloneRank
+
+
+def pattern(numel: int, seed: int, index: int, device="cpu") -> torch.Tensor:
+    """Update ``seed``'s bytes for tensor ``index``: whole numbers, exact in
+    float32, so the test process computes the same bytes on the CPU."""
+    return torch.arange(numel, dtype=torch.float32, device=device) + float(seed * 1000 + index)
+
+
+def sha256(t: torch.Tensor) -> str:
+    """What ``get_parameter_checksums()`` reports for a parameter holding ``t``."""
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def weight_names(n: int) -> List[str]:
+    return [f"layers.{i}.weight" for i in range(n)]
+
+
+class GpuRankBase(StandaloneRank):
+    def __init__(self, n: int, numel: int, device: str = "cuda:0"):
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        model = torch.nn.ParameterDict({
+            name.replace(".", "_"): torch.nn.Parameter(torch.zeros(numel, device=device), requires_grad=False)
+            for name in weight_names(n)})
+        super().__init__(_Named(model, weight_names(n)), device=device, rank="gpu", pull_timeout_s=60)
+
+    def pointers(self) -> Dict[str, int]:
+        return {n: p.data_ptr() for n, p in self.model.named_parameters()}
+
+
+class _Named(torch.nn.Module):
+    """The ParameterDict's vectors under names with dots, as a real model's."""
+
+    def __init__(self, params: torch.nn.ParameterDict, names: List[str]):
+        super().__init__()
+        self.params = params
+        self._names = names
+
+    def named_parameters(self, *args, **kwargs):
+        return iter(zip(self._names, self.params.values()))
+
+
+GpuRank = ray.remote(num_cpus=0, max_concurrency=8, enable_tensor_transport=True)(GpuRankBase)
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class GpuTrainer:
+    """A trainer process on GPU 0 with one ``WeightSyncClient``."""
+
+    def __init__(self, device: str = "cuda:0"):
+        self.device = device
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        self.client = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def connect(self, rank, **client_options) -> Dict[str, Any]:
+        from sglang.srt.ray.rdt import WeightSyncClient
+
+        self.client = WeightSyncClient([rank], names=["gpu-rank"], device=self.device, **client_options)
+        self.client.register()
+        route = self.client.route()
+        return {"direct": route.direct, "lanes": sorted(route.lanes), "ref_transport": route.ref_transport,
+                "why_not_direct": route.why_not_direct}
+
+    def update(self, n: int, numel: int, seed: int, version: str, die_after_steps: int = 0) -> Dict[str, Any]:
+        """One update of fresh tensors (made now, in the client's staging
+        pool, as a trainer's gather step makes them). ``die_after_steps``:
+        this process SIGKILLs itself once that many steps landed, while the
+        next step's pull is in flight on the rank. Returns the client's
+        figures, or the error it raised (type, cause's type, message)."""
+        with self.client.staging():
+            named = {name: pattern(numel, seed, i, self.device) for i, name in enumerate(weight_names(n))}
+
+        def progress(step, done, total):
+            if die_after_steps and done >= die_after_steps:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        try:
+            stats = self.client.update(named, version=version, progress=progress)
+        except Exception as e:
+            return {"error": type(e).__name__, "cause": type(getattr(e, "cause", None)).__name__,
+                    "message": str(e)}
+        d = stats.as_dict()
+        return {k: d[k] for k in ("path", "transport", "lane_calls", "tensors", "bytes", "held_bytes")} | {
+            "steps": len(d["buckets"])}
+
+    def close(self) -> bool:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        return True

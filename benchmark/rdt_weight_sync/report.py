@@ -37,6 +37,10 @@ def client_row(name: str, res: Dict[str, Any], ceiling_s: float, bucket_bytes: i
         "slot_mib": res.get("slot_bytes", 0) / MiB,
         "bound_mib": 2 * bucket_bytes / MiB,
         "bytes_ok": all(u["check"]["ok"] for u in ups), "updates": len(ups),
+        # where a steady update's time goes (medians, ms): the client describing
+        # or copying its steps, the slowest rank's pulls (summed), ending the update
+        "parts_ms": [statistics.median(u.get(k, 0.0) for u in ups[1:] or ups) * 1e3
+                     for k in ("fill_seconds", "pull_seconds", "end_seconds")],
     }
 
 
@@ -103,16 +107,17 @@ def markdown(summary: Dict[str, Any], meta: Dict[str, Any]) -> str:
         out.append(f"#### {wname}: {info.get('tensors')} tensors, {info.get('bytes', 0) / GiB:.2f} GiB "
                    f"({info.get('dtype')}); one-tensor copy {gbps:.0f} GB/s")
         out.append("")
-        out.append("| trainer | path | whole update | ratio | first / median | slowest / median | "
-                   "peak extra | held after | bytes |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
+        out.append("| trainer | path | whole update | ratio | fill / pulls / end | first / median | "
+                   "slowest / median | peak extra | held after | bytes |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in s["client"]:
             out.append(f"| {r['mode']} | {r['path']} ({r['transport']}) | {r['median_ms']:.1f} ms | "
-                       f"**{r['ratio']:.2f}x** | {r['first_over_median']:.2f} | {r['worst_over_median']:.2f} | "
+                       f"**{r['ratio']:.2f}x** | {' / '.join(f'{v:.1f}' for v in r['parts_ms'])} ms | "
+                       f"{r['first_over_median']:.2f} | {r['worst_over_median']:.2f} | "
                        f"{r['peak_extra_mib']:.0f} MiB | {r['held_after_mib']:.0f} MiB"
                        f"{' (slots)' if r['slot_mib'] else ''} | {'ok' if r['bytes_ok'] else 'FAIL'} |")
         for r in s["others"]:
-            out.append(f"| {r['mode']} | | {r['median_ms']:.1f} ms | {r['ratio']:.2f}x | | | | | "
+            out.append(f"| {r['mode']} | | {r['median_ms']:.1f} ms | {r['ratio']:.2f}x | | | | | | "
                        f"{'ok' if r['bytes_ok'] else 'FAIL'} |")
         rows = [(k, v) for k, v in s["ceiling"].items() if isinstance(v, dict) and "seconds" in v]
         if rows:

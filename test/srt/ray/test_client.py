@@ -28,6 +28,8 @@ import pytest
 import requests
 import torch
 
+from conftest import wait_until
+
 from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.trainer import buckets
 from sglang.srt.ray.rdt.trainer.buckets import ALIGN, LayoutBook, check_strict, check_tensors, cut, slot_layout, steps
@@ -447,6 +449,36 @@ def test_register_with_the_tensors_prepares_the_first_update_and_writes_nothing(
         assert last["plan_reused"] is True
 
 
+def test_a_rank_that_cannot_read_this_process_gets_its_pulls_through_ray(calm, caplog):
+    """A rank on this node that the kernel will not let read this process
+    (here: ``SGLANG_RDT_CMA=0`` on the rank, as in a container without ptrace
+    rights) gets no lane; its pulls come as refs through Ray (NIXL), the
+    other rank's over its lane, and every byte lands."""
+    from client_actors import FakeRank
+
+    toy = calm
+    opts = actor_options()
+    opts["runtime_env"]["env_vars"]["SGLANG_RDT_CMA"] = "0"
+    walled = FakeRank.options(**opts).remote(7)
+    try:
+        toy.ray.get(walled.register_weight_for_rdt.remote(), timeout=300)
+        weights = new_weights(seed=61)
+        with WeightSyncClient([toy.ranks[0], walled], names=["fake-0", "walled"],
+                              bucket_bytes=GROUP_BYTES) as client:
+            with caplog.at_level("WARNING", logger="sglang.srt.ray.rdt.trainer.lane"):
+                route = client.route()
+            assert (route.lanes, route.ref_transport) == ({0}, "SGLANG_IPC")
+            assert route.why_not_direct == "rank 1 (walled) cannot be reached over a same-node lane"
+            assert any("rank 1 (walled) cannot read this process's memory (SGLANG_RDT_CMA=0)"
+                       in r.getMessage() for r in caplog.records)
+            stats = client.update(weights, version="walled-1")
+        assert sorted(stats.transport.split(",")) == ["cma", "nixl (SGLANG_RDT_CMA=0)"]  # the reason shows
+        assert stats.lane_calls == len(stats.buckets)  # rank 0's only
+        assert_ranks_hold(toy, weights, [toy.ranks[0], walled])
+    finally:
+        toy.ray.kill(walled)
+
+
 def test_failing_rank_surfaces_as_one_error_naming_the_rank_and_aborts(calm):
     toy = calm
     toy.ray.get(toy.ranks[1].configure.remote(fail="disk on fire"))
@@ -481,6 +513,15 @@ def test_dead_rank_is_named_in_the_error(calm):
                               bucket_bytes=GROUP_BYTES)
     client.parameter_layouts()  # found alive ...
     toy.ray.kill(toy.victim)  # ... and gone before the update
+
+    def dead():
+        try:
+            toy.ray.get(toy.victim.log.remote(), timeout=30)
+        except toy.ray.exceptions.RayActorError:
+            return True
+        return False
+
+    wait_until(dead, 60, what="the victim's death")
     with pytest.raises(WeightSyncRankError, match=r"^rank 1 \(victim\) failed during \w+.*died") as err:
         client.update(new_weights(seed=14), version="never")
     assert err.value.rank == 1

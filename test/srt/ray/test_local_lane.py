@@ -194,6 +194,63 @@ def test_a_layout_is_defined_once_per_connection_and_later_pulls_name_it(rank):
         lanes.close()
 
 
+def test_a_trainer_that_leaves_mid_update_leaves_the_rank_inconsistent_until_a_whole_update(rank):
+    """A trainer process whose lane closes after it wrote part of an update
+    (killed, or gone before it ended the update): under a plain pause nobody
+    else would end that update, so the rank aborts it and reports its weights
+    inconsistent until a complete update ends."""
+    model = rank.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    w1 = new_weights(model, 11)
+    _, link = open_link(rank)
+    lanes = Lanes()
+    lanes.links[0] = link
+    half = dict(list(w1.items())[:2])
+    g = group_of(half, layout=1)
+    assert lanes.pull(0, g, same_node.export(g.tensors, with_specs=False), 10.0).result(30)["tensors"] == 2
+    assert rank.state.status()["update_open"] is True
+    lanes.close()  # gone without ending the update
+    wait_until(lambda: not rank.state.status()["update_open"], 30, what="the rank to abort the update")
+    st = rank.state.status()
+    assert st["weights_consistent"] is False and st["failed_updates"] == 1
+    assert st["inconsistent_reason"] == (f"trainer process {os.getpid()} (same-node lane) closed its lane "
+                                         "before the update it wrote in ended")
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], half[n]) for n in half)  # what landed stays, reported
+    assert all(torch.equal(params[n], before[n]) for n in list(w1)[2:])
+    # A complete update makes the rank whole again.
+    w2 = new_weights(model, 12)
+    _, link = open_link(rank)
+    lanes = Lanes()
+    lanes.links[0] = link
+    try:
+        g = group_of(w2, layout=2)
+        lanes.pull(0, g, same_node.export(g.tensors, with_specs=False), 10.0).result(30)
+        done = link.send("finalize", {"weight_version": "whole"}).result(30)
+        assert done["update"]["consistent"] is True
+    finally:
+        lanes.close()
+    st = rank.state.status()
+    assert (st["weights_consistent"], st["update_open"], st["weight_version"]) == (True, False, "whole")
+    # Closing a lane with no update open changes nothing.
+    assert rank.state.status()["failed_updates"] == 1
+
+
+def test_a_rank_that_cannot_read_the_trainers_memory_gets_no_lane(rank, monkeypatch):
+    """The lane opens only after the rank read a probe of the trainer's
+    memory: the bytes it described, exactly."""
+    probe = torch.arange(256, dtype=torch.uint8)
+    info = rank.open_lane("trainer-p", os.getpid(), same_node.export([probe]))
+    assert "address" in info and "unreadable" not in info
+    wrong = torch.zeros(256, dtype=torch.uint8)
+    assert rank.open_lane("trainer-q", os.getpid(), same_node.export([wrong])) == {
+        "node_id": NODE, "unreadable": "a probe read returned other bytes than the trainer's"}
+    monkeypatch.setenv("SGLANG_RDT_CMA", "0")  # e.g. a container without ptrace rights
+    assert rank.open_lane("trainer-r", os.getpid(), same_node.export([probe])) == {
+        "node_id": NODE, "unreadable": "SGLANG_RDT_CMA=0"}
+    assert rank.lane.status()["senders"] == 1  # only trainer-p was let in
+
+
 def test_the_ranks_own_failure_comes_back_as_itself(rank):
     """A pull the rank refuses raises the rank's exception on the trainer side."""
     _, link = open_link(rank)
@@ -271,7 +328,7 @@ def test_a_rank_stalling_in_its_answer_breaks_the_lane_instead_of_holding_the_tr
     try:
         call = link.send("pull", {})
         # (socket.timeout is TimeoutError; its text is the socket's or recv_frame's own)
-        with pytest.raises(RankGone, match=r"or closed its lane \(the connection ended \(TimeoutError: "):
+        with pytest.raises(RankGone, match=r"the rank \(pid \d+\) stalled in the middle of an answer"):
             call.result(120)
         assert link.broken
         with pytest.raises(RankGone, match=r"the call lane to the rank \(pid \d+\) broke earlier"):

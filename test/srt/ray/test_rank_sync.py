@@ -238,6 +238,21 @@ def test_abort_after_a_pull_leaves_the_weights_inconsistent(rank):
     assert status["failures"] == {"abort": 1} and rank.port.version is None
 
 
+def test_abort_queues_the_next_updates_walk_like_an_end(rank):
+    rank.begin()
+    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
+    rank.abort("trainer died")
+    rank.safe_point.call(None, lambda _s: None, 30)  # the queue runs in order: the walk ran
+    assert not rank.receiver.needs_refresh()
+
+
+def test_a_refused_pull_leaves_the_collector_on(rank):
+    rank.port.is_paused = True
+    with pytest.raises(WeightSyncError):
+        rank.pull_sources([MemorySource(weights(1.0))], ["no.such", "names"])
+    assert gc.isenabled() and not rank.state.update_open
+
+
 def test_a_pull_after_shutdown_is_refused_and_shutdown_lets_go_of_the_collector(rank):
     rank.port.is_paused = True
     rank.pull_sources([MemorySource(weights(1.0))], NAMES)

@@ -10,13 +10,14 @@
 (they pull in Ray).
 """
 
-from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
+from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError, WeightUpdateConflictError
 
 __all__ = [
     "WeightSyncClient",
     "WeightSyncError",
     "WeightSyncRankError",
     "WeightsInconsistentError",
+    "WeightUpdateConflictError",
     "start_nixl_agent",
 ]
 

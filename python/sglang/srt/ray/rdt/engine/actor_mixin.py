@@ -130,11 +130,12 @@ class RankActorApi:
         frees it. Returns how many closed."""
         return self._sync().release_sender(sender_token)
 
-    def open_weight_sync_lane(self, sender_token: str, pid: int = 0) -> Dict[str, Any]:
+    def open_weight_sync_lane(self, sender_token: str, pid: int = 0, probe=None) -> Dict[str, Any]:
         """A same-node call lane (:mod:`.local_lane`) for the trainer process
         ``sender_token`` (``same_node.token()`` there; ``pid`` its process id):
-        ``{"address", "secret", "pid", "node_id"}``."""
-        return self._sync().open_lane(sender_token, pid)
+        ``{"address", "secret", "pid", "node_id"}``; ``{"node_id", "unreadable"}``
+        when this rank cannot read ``probe`` (bytes 0..255 the trainer described)."""
+        return self._sync().open_lane(sender_token, pid, probe)
 
     def shutdown_weight_sync(self) -> int:
         """Release NIXL registrations and mappings; later pulls are refused."""

@@ -35,6 +35,7 @@ from sglang.srt.ray.rdt.engine.sources import LocalSource
 from sglang.srt.ray.rdt.engine.update_state import Writer
 from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.lane_wire import FRAME_TIMEOUT_S, ID_BYTES, SECRET_BYTES, recv_frame, send_frame
+from sglang.srt.ray.rdt.transport.cma import proc_stat_fields
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ def remove_dead_lanes(base: str) -> int:
             if os.stat(path).st_uid != os.getuid():
                 continue
             os.kill(pid, 0)
+            state = proc_stat_fields(f"/proc/{pid}/stat")
+            if state is not None and state[0] in (b"Z", b"X"):  # exited, not yet reaped
+                raise ProcessLookupError(pid)
         except ProcessLookupError:
             shutil.rmtree(path, ignore_errors=True)
             n += 1
@@ -150,6 +154,12 @@ class RankLane:
                     elif not self._serve_one(key.fileobj, key.data):
                         sel.unregister(key.fileobj)
                         key.fileobj.close()
+                        writer = key.data.writer
+                        if (writer is not None and not self._stop.is_set()
+                                and not any(getattr(k.data, "writer", None) == writer
+                                            for k in sel.get_map().values())):
+                            # (its last connection: the process went away)
+                            self._rank.writer_gone(writer, "closed its lane")
         except Exception:  # pragma: no cover - the lane dies, Ray calls still work
             logger.exception("[RDT] the weight-sync lane stopped")
         finally:

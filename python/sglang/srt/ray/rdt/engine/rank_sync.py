@@ -114,9 +114,14 @@ class RankWeightSync:
         self._refresh_posted = False  # prepare_next_pull's walk is queued
 
     # -- the same-node lane ---------------------------------------------------- #
-    def open_lane(self, sender: str, pid: int = 0) -> Dict[str, Any]:
+    def open_lane(self, sender: str, pid: int = 0, probe=None) -> Dict[str, Any]:
         """The call lane (:mod:`.local_lane`) for trainer process ``sender``:
-        its address and secret, and this rank's node."""
+        its address and secret, and this rank's node. ``probe``: a same-node
+        description of a few bytes of the trainer's (0, 1, ... 255); a rank
+        that cannot read them answers ``{"unreadable": why}`` instead."""
+        why = None if probe is None else self._probe_read(probe)
+        if why is not None:
+            return {"node_id": same_node.node_id(), "unreadable": why}
         if self.lane is None:
             from sglang.srt.ray.rdt.engine.local_lane import RankLane
 
@@ -124,6 +129,22 @@ class RankWeightSync:
         out = self.lane.open(sender, pid)
         out["node_id"] = same_node.node_id()
         return out
+
+    def _probe_read(self, probe) -> Optional[str]:
+        from sglang.srt.ray.rdt.transport.cuda_ipc import Targets
+
+        device = self.device if self.device is not None else torch.device("cpu")
+        why = same_node.unusable(probe, device)
+        if why is not None:
+            return why
+        into = torch.empty(256, dtype=torch.uint8, device=device)
+        try:
+            same_node.read(probe, Targets.of([into]), device)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        if not torch.equal(into.cpu(), torch.arange(256, dtype=torch.uint8)):
+            return "a probe read returned other bytes than the trainer's"
+        return None
 
     def release_sender(self, sender: Optional[str] = None) -> int:
         """Close the kept mappings of ``sender``'s memory (every sender: None)."""
@@ -255,7 +276,26 @@ class RankWeightSync:
             self._update_ended()
             return status
 
-        return self.on_scheduler(run)
+        try:
+            return self.on_scheduler(run)
+        finally:
+            self.prepare_next_pull()
+
+    def writer_gone(self, writer, how: str) -> None:
+        """``writer`` (a trainer process) went away (``how``) with the update
+        it wrote in still open: the weights are inconsistent until a complete
+        update ends; an update under a plain pause, which nobody else would
+        end, is aborted (an engine session ends or expires on its own)."""
+        reason = f"{writer.label} {how} before the update it wrote in ended"
+        kind = self.state.writer_gone(writer.id, reason)
+        if kind is None:
+            return
+        logger.error("[RDT] %s; weights inconsistent until a complete update ends", reason)
+        if kind == "paused":
+            try:
+                self.abort(reason)
+            except Exception as e:  # e.g. the loop is gone: the state says it already
+                logger.warning("[RDT] aborting the update after its writer left failed: %s", e)
 
     def _end_update(self, flush: bool) -> Dict[str, Any]:
         """The update's end (scheduler thread): flush the prefix cache when

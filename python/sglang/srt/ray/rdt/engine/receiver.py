@@ -63,6 +63,7 @@ class RdtWeightReceiver:
         self._weights_released = False
         self._slow_nixl_warned = False
         self._plans = PlanCache(get_params)
+        self._nixl_book = registrations is None  # (a given book registers its own way)
         self._registration = ParameterRegistration(get_params, self._plans,
                                                    registration_disabled_reason, registrations)
         # What updates wrote, consistency and counters (the rank's one owner).
@@ -77,7 +78,8 @@ class RdtWeightReceiver:
             self._check_open()
             self._bind_device()
             t0 = time.perf_counter()
-            nixl_threads.start_nixl_agent()  # its progress thread at idle priority
+            if self._nixl_book:
+                nixl_threads.start_nixl_agent()  # its progress thread at idle priority
             changes = self._registration.register()
             if self._device is not None and self._device.type == "cuda":
                 same_node.warm(self._device)  # the copy kernel is built before any pull needs it
@@ -202,9 +204,9 @@ class RdtWeightReceiver:
         timeout_s = self.pull_timeout_s if timeout_s is None else float(timeout_s)
         with self._lock:
             self._enter()
-            gc_pause.pause(GC_HOLDER)  # no full collection inside an update
             t0 = time.perf_counter()
             plan, writes, reused = self._plan(sources, names, timeout_s, key)
+            gc_pause.pause(GC_HOLDER)  # admitted: no full collection inside the update
             t_plan = time.perf_counter() - t0
             reads = self._transfer(sources, plan, writes, timeout_s)
             t_fetch = time.perf_counter() - t0 - t_plan

@@ -251,6 +251,17 @@ class RankUpdateState:
             logger.error("%s; weights inconsistent: %s", format_update(summary, self.rank), problem)
         return summary
 
+    def writer_gone(self, writer_id: str, reason: str) -> Optional[str]:
+        """A writer that landed pulls in the open update went away before the
+        update ended: its part may be incomplete. Marks the weights
+        inconsistent and returns the update's kind (None: nothing to do)."""
+        with self._lock:
+            u = self._update
+            if u is None or writer_id not in u.writer_ids:
+                return None
+            self._mark_inconsistent(reason)
+            return u.kind
+
     def abort(self, reason: str) -> Dict[str, Any]:
         """Close the update without ending it; the weights are inconsistent if
         any pull of it touched them."""

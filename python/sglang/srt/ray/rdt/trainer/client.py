@@ -255,7 +255,7 @@ class WeightSyncClient:
             for rg, group in step:
                 meta = same_node.export(group.tensors, with_specs=False)
                 calls += [(r, self.lanes.pull(r, group, meta, None, prepare=True)) for r in rank_groups[rg]]
-        self.gather(calls, "prepare_pull_weights", self.call_timeout_s)
+        self.gather(calls, "prepare the first update", self.call_timeout_s)
         for r, call in calls:
             self.lanes.defined(r, call)
 
@@ -281,7 +281,7 @@ class WeightSyncClient:
         if self._route is not None and all(self.lanes.link(r) for r in self._route.lanes):
             return self._route
         statuses = self._statuses if self._statuses is not None else self.status()
-        self.lanes.open(self.ranks, statuses, self.call_timeout_s)
+        self.lanes.open(self.ranks, statuses, self.call_timeout_s, self.device_obj)
         lanes = {r.index for r in self.ranks if self.lanes.link(r.index) is not None}
         self._route = decide_route(self.ranks, statuses, lanes, self.transport, self.export, self.device_obj)
         return self._route
@@ -371,7 +371,8 @@ class WeightSyncClient:
                 raise WeightSyncError("layout='hf' reads the engine's /server_info and /parallelism_config: "
                                       "build the client with url= (or WeightSyncClient.connect)")
             self._hf_resharder = HFResharder.from_engine_url(
-                self.url, len(self.ranks), model_path=model_path, timeout_s=self.call_timeout_s)
+                self.url, len(self.ranks), model_path=model_path, timeout_s=self.call_timeout_s,
+                device=str(self.device_obj))  # the replicas' shards are what the ranks read
         return self._hf_resharder
 
     def close(self) -> None:

@@ -86,7 +86,11 @@ class RankLink:
         self._early: Dict[bytes, Any] = {}  # replies read while waiting for another
         self.broken = False
         self.defined: set = set()  # layout ids this rank knows on this connection
-        self.send("hello", {"sender": sender, "pid": os.getpid()}).result(FRAME_TIMEOUT_S)
+        try:
+            self.send("hello", {"sender": sender, "pid": os.getpid()}).result(FRAME_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
 
     def send(self, op: str, kwargs: Dict[str, Any]) -> LaneCall:
         if self.broken:
@@ -111,7 +115,11 @@ class RankLink:
             if self._poll.poll(int(min(left, LIVENESS_CHECK_S) * 1000) + 1):
                 try:
                     body = recv_frame(self._sock)
-                except (OSError, ConnectionError) as e:  # reset, stalled or cut in a frame
+                except socket.timeout:
+                    self.broken = True
+                    raise RankGone(f"the rank (pid {self.pid}) stalled in the middle of an answer "
+                                   f"for over {FRAME_TIMEOUT_S:g} s") from None
+                except (OSError, ConnectionError) as e:  # reset, or cut in a frame
                     body, why = None, f" ({type(e).__name__}: {e})"
                 else:
                     why = ""
@@ -138,29 +146,41 @@ class Lanes:
         self.opened = False
         self.links: Dict[int, RankLink] = {}
 
-    def open(self, ranks, statuses: Sequence[Dict[str, Any]], call_timeout_s: float) -> None:
-        """Open a lane to every rank on this process's node (once). A rank
-        that cannot (an engine without lanes) is reached through Ray."""
+    def open(self, ranks, statuses: Sequence[Dict[str, Any]], call_timeout_s: float,
+             device=None) -> None:
+        """Open a lane to every rank on this process's node that can read this
+        process's memory on ``device`` (checked by reading a few bytes, once).
+        The others (an engine without lanes, a rank the kernel or the driver
+        refuses) are reached through Ray, which falls back to NIXL."""
         if self.opened or not self.enabled:
             return
         self.opened = True
         import ray
+        import torch
 
         from sglang.srt.ray.rdt.transport import same_node
 
         here, token = same_node.node_id(), same_node.token()
+        probe = torch.arange(256, dtype=torch.uint8, device=device or "cpu")
+        if probe.is_cuda:
+            torch.cuda.synchronize(probe.device)
+        meta = same_node.export([probe])
         calls = []
         for r, st in zip(ranks, statuses):
             if (st.get("ipc_reach") or {}).get("node_id") == here:
-                calls.append((r, r.actor.open_weight_sync_lane.remote(token, os.getpid())))
+                calls.append((r, r.actor.open_weight_sync_lane.remote(token, os.getpid(), meta)))
         for r, ref in calls:
             try:
                 info = ray.get(ref, timeout=call_timeout_s)
-                if info.get("node_id") == here:
+                if info.get("unreadable"):
+                    logger.warning("[RDT] %s cannot read this process's memory (%s); its pulls go "
+                                   "through Ray", r.label(), info["unreadable"])
+                elif info.get("node_id") == here:
                     self.links[r.index] = RankLink(info["address"], info["secret"], info["pid"], token)
             except Exception as e:
                 logger.warning("[RDT] no call lane to %s (%s: %s); its pulls go through Ray",
                                r.label(), type(e).__name__, str(e).splitlines()[0][:200])
+        del probe  # (read by now: every rank answered)
 
     def link(self, rank: int) -> Optional[RankLink]:
         """The lane of ``rank``, if it has a working one."""

@@ -127,7 +127,14 @@ class BucketSender:
             from sglang.srt.ray.rdt.transport.cuda_driver import copy_tensors
 
             torch.cuda.synchronize(buf.device)  # the trainer's queued work on its tensors
-            copy_tensors(flat_views, [t.contiguous() for t in flat_tensors])
+            # the kernel reads sources on the slots' GPU; others (host memory,
+            # another GPU) are copied by torch
+            here = [i for i, t in enumerate(flat_tensors) if t.device == buf.device]
+            copy_tensors([flat_views[i] for i in here], [flat_tensors[i].contiguous() for i in here])
+            if len(here) < len(flat_tensors):
+                for i in sorted(set(range(len(flat_tensors))) - set(here)):
+                    flat_views[i].copy_(flat_tensors[i])
+                torch.cuda.synchronize(buf.device)
         else:
             for v, t in zip(flat_views, flat_tensors):
                 v.copy_(t)

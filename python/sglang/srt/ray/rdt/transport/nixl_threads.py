@@ -65,15 +65,22 @@ def _threads() -> Set[int]:
         return set()
 
 
-def _cpu_ticks(tid: int) -> int:
-    fields = proc_stat_fields(f"/proc/self/task/{tid}/stat")
-    return 0 if fields is None else int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+def _runnable_ns(tid: int) -> int:
+    """Time ``tid`` spent on a CPU or waiting for one (ns): what it wanted,
+    not what a busy host gave it (``schedstat``; CPU ticks where it is missing)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+            on_cpu, waiting = f.read().split()[:2]
+        return int(on_cpu) + int(waiting)
+    except (OSError, ValueError):
+        fields = proc_stat_fields(f"/proc/self/task/{tid}/stat")
+        ticks = 0 if fields is None else int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
 def _spinning(tids: Set[int]) -> Set[int]:
-    """The threads of ``tids`` that used at least :data:`SPINNING_SHARE` of a
-    core while watched for :data:`WATCH_S`."""
-    start: Dict[int, int] = {t: _cpu_ticks(t) for t in tids}
+    """The threads of ``tids`` that were runnable at least
+    :data:`SPINNING_SHARE` of the :data:`WATCH_S` they were watched."""
+    start: Dict[int, int] = {t: _runnable_ns(t) for t in tids}
     time.sleep(WATCH_S)
-    ticks = WATCH_S * os.sysconf("SC_CLK_TCK")
-    return {t for t in tids if _cpu_ticks(t) - start[t] >= SPINNING_SHARE * ticks}
+    return {t for t in tids if _runnable_ns(t) - start[t] >= SPINNING_SHARE * WATCH_S * 1e9}

@@ -433,7 +433,7 @@ def test_register_with_the_tensors_prepares_the_first_update_and_writes_nothing(
     toy = calm
     before_state, before = states(toy), logs(toy)
     weights = new_weights(seed=44)
-    with toy_client(toy, export="direct") as client:
+    with toy_client(toy, export="direct", bucket_bytes=1 << 20) as client:  # (a few groups in place)
         with pytest.raises(WeightSyncError, match=r"no parameter '0.wieght'"):
             client.register({"0.wieght": weights["0.weight"]})  # checked before anything moves
         client.register(weights)
@@ -442,7 +442,12 @@ def test_register_with_the_tensors_prepares_the_first_update_and_writes_nothing(
         mid = logs(toy)
         assert [(m["pulls"], m["updates"]) for m in mid] == [(b["pulls"], b["updates"]) for b in before]
         assert all(m["lane_calls"] > b["lane_calls"] for m, b in zip(mid, before))  # the prepares
-        client.update(weights, version="prepared")
+        prepared = [set(client.lanes.links[r].defined) for r in (0, 1)]
+        assert all(prepared)
+        stats = client.update(weights, version="prepared")
+        # The update was grouped as register() grouped it: no layout was new to a rank.
+        assert [client.lanes.links[r].defined for r in (0, 1)] == prepared
+        assert len(stats.buckets) == len(prepared[0])
     assert_ranks_hold(toy, weights)
     for r in toy.ranks:
         last = toy.ray.get(r.get_weight_sync_status.remote())["last_pull"]

@@ -40,7 +40,7 @@ from sglang.srt.ray.rdt.trainer.route import Route, decide_route
 from sglang.srt.ray.rdt.trainer.sender import SenderLink, release_rank_mappings
 from sglang.srt.ray.rdt.trainer.sessions import make_session
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
-from sglang.srt.ray.rdt.trainer.update import Update
+from sglang.srt.ray.rdt.trainer.update import Update, group_bytes_for
 
 __all__ = ["WeightSyncClient", "WeightSyncRankError", "UpdateStats", "BucketStats", "RankInfo"]
 
@@ -220,7 +220,9 @@ class WeightSyncClient:
             if buckets.is_stream(named_tensors):
                 raise WeightSyncError("register() takes a mapping of the tensors, not an iterator")
             payloads, rank_groups = buckets.split_payloads(named_tensors, len(self.ranks))
-            steps = list(buckets.steps(payloads, rank_groups, self.bucket_bytes))
+            # grouped as update() will group them, so its layouts are the ones prepared
+            steps = list(buckets.steps(payloads, rank_groups,
+                                       group_bytes_for(route, payloads, self.bucket_bytes, False)))
             for step in steps:
                 for rg, group in step:
                     self.layouts_book.assign(rg, group, rank_groups[rg], self._layouts, self.labels)

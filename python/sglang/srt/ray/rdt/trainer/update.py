@@ -92,12 +92,7 @@ class Update:
         self.stream = buckets.is_stream(named)
         self.sent = [set() for _ in self.rank_groups]
         self._tag = next(c.update_tags)
-        group_bytes = self.bucket_bytes
-        if self.route.direct and not self.stream:
-            # The caller holds every tensor anyway: a few groups, so the next
-            # one is described while the ranks copy the last.
-            total = max(sum(t.nbytes for t in p.values()) for p in payloads)
-            group_bytes = max(-(-total // DIRECT_GROUPS), 1)
+        group_bytes = group_bytes_for(self.route, payloads, self.bucket_bytes, self.stream)
         steps = buckets.steps(payloads, self.rank_groups, group_bytes)
         self.slot_bytes = self.bucket_bytes
         if not self.stream:  # every layout checked before anything moves
@@ -303,6 +298,16 @@ class Update:
             transport=",".join(self.paths) or "none", lane_calls=self.lane_calls,
             held_bytes=self.max_held,
         )
+
+
+def group_bytes_for(route, payloads, bucket_bytes: int, stream: bool) -> int:
+    """How much of an update goes in one group: ``bucket_bytes``, except
+    for a mapping read in place — the caller holds every tensor anyway, so
+    a few groups, the next described while the ranks copy the last."""
+    if not route.direct or stream:
+        return bucket_bytes
+    total = max(sum(t.nbytes for t in p.values()) for p in payloads)
+    return max(-(-total // DIRECT_GROUPS), 1)
 
 
 def _in_place(group: buckets.Group, device: torch.device) -> None:

@@ -128,6 +128,8 @@ def run_workload(wname: str, args, log) -> Dict[str, Any]:
 
 
 def git_revision() -> str:
+    if os.environ.get("BENCH_REVISION"):  # a copy of the tree whose .git is not the source's
+        return os.environ["BENCH_REVISION"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"

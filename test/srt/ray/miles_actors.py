@@ -22,10 +22,12 @@ class MilesLikeTrainer:
     def __init__(self, bucket_bytes: int):
         from ray.experimental import register_nixl_memory
 
-        # What a trainer importing the fork's sglang gets for free: its NIXL
-        # progress thread sleeps between events (see nixl_progress).
-        import sglang.srt.ray  # noqa: F401
+        # What the docs ask of a trainer that puts with NIXL itself, once: its
+        # NIXL progress thread at idle priority (else it keeps a core busy, half
+        # of this test box).
+        from sglang.srt.ray.rdt import start_nixl_agent
 
+        start_nixl_agent()
         self.bucket = torch.zeros(bucket_bytes, dtype=torch.uint8)
         register_nixl_memory(self.bucket)
         self.refs: List = []
@@ -48,8 +50,3 @@ class MilesLikeTrainer:
 
     def actor_id(self) -> str:
         return ray.get_runtime_context().get_actor_id()
-
-    def nixl_progress_thread(self) -> str:
-        from sglang.srt.ray.rdt.transport import nixl_progress
-
-        return nixl_progress.describe()

@@ -191,8 +191,6 @@ def test_miles_update_cycle_through_sglangs_lifecycle(server, rank, layout, ray_
     text = requests.get(f"{server.url}/metrics", timeout=30).text
     updates = re.search(r'^sglang:rdt_weight_updates_total\{[^}]*tp_rank="0"[^}]*\} ([\d.]+)', text, re.M)
     assert updates and float(updates.group(1)) >= 2, text[-2000:]
-    # The trainer imported sglang: its NIXL progress thread sleeps between events.
-    assert ray.get(trainer.nixl_progress_thread.remote()) == "sleeps up to 1000 us between UCX events"
     ray.kill(trainer)
 
 
@@ -222,32 +220,6 @@ def test_pull_after_pause_in_every_mode_is_accepted_and_refused_without(
             tiny_model, PROMPT, N, random_state_dict(tiny_model, seed)), mode
     stats = ray.get(rank.get_weight_sync_stats.remote(), timeout=30)
     assert stats["updates"] == before + 3 and stats["last_update"]["consistent"] is True
-    ray.kill(trainer)
-
-
-def test_a_pull_with_finalize_ends_the_paused_update_in_the_same_call(
-    server, rank, layout, ray_client, tiny_model
-):
-    """Our one-round-trip spelling (WeightSyncClient's zero-copy updates use
-    it): pull_weights(refs, names, timeout, finalize={...}) on a paused engine."""
-    ray = ray_client
-    trainer = _trainer(ray, layout)
-    before = ray.get(rank.get_weight_sync_stats.remote(), timeout=30)["updates"]
-    _post(server, "/pause_generation", {"mode": "retract"})
-    (ref,) = ray.get(trainer.stage_and_put.remote(_tensors(tiny_model, layout, 45)), timeout=60)
-    out = ray.get(rank.pull_weights.remote([ref], list(layout), None, {"weight_version": "folded"}),
-                  timeout=120)
-    fin = out["finalized"]
-    assert (fin["success"], fin["weight_version"], fin["flushed_cache"]) == (True, "folded", True)
-    status = ray.get(rank.get_weight_sync_status.remote(), timeout=30)
-    assert (status["update_open"], status["weights_consistent"], status["weight_version"]) == (
-        False, True, "folded")
-    _post(server, "/continue_generation")
-    assert server.output_ids(PROMPT, N) == hf_greedy(
-        tiny_model, PROMPT, N, random_state_dict(tiny_model, 45))
-    stats = ray.get(rank.get_weight_sync_stats.remote(), timeout=30)
-    assert stats["updates"] == before + 1  # continue_generation ended nothing more
-    assert stats["last_update"]["weight_version"] == "folded"
     ray.kill(trainer)
 
 

@@ -1,4 +1,6 @@
-"""Embedding the engine: caller placement group, handles mode, namespaces."""
+"""Embedding the engine: caller placement group, handles mode, rank placement groups.
+
+(A CLI server's actors in the namespace it was given: test_weight_sync_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -118,17 +120,6 @@ def _healthy(port: int) -> bool:
         return requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     except requests.RequestException:
         return False
-
-
-def test_engine_actors_live_in_the_requested_namespace_only(launch_server, ray_client, ray_head):
-    ns = "rollout-ns-only"
-    server = launch_server(["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", ns])
-    (actor,) = live_actors(ray_client)
-    name = actor["Name"]
-    assert ray_client.get_actor(name, namespace=ns)
-    with pytest.raises(ValueError):
-        ray_client.get_actor(name, namespace=ray_head.namespace)
-    assert f"namespace '{ns}'" in server.log()
 
 
 def test_rank_placement_group_pins_rank_0_here_and_fails_readably_without_enough_nodes(ray_client):

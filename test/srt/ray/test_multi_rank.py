@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import live_actors
-from test_weight_sync_e2e import PROMPT, run_trainer_job
+from test_weight_sync_e2e import PROMPT, run_trainer_job, server_actors
 from tiny_model import hf_greedy, random_state_dict
 
 pytestmark = pytest.mark.slow
@@ -24,7 +23,7 @@ def test_dp2_each_rank_found_configured_and_updated(launch_server, tiny_model, r
         # Each rank is pinned to one of the two cores: slow on a loaded box.
         timeout=600,
     )
-    names = sorted(a["Name"] for a in live_actors(ray_client))
+    names = sorted(a["Name"] for a in server_actors(ray_client, server))
     assert len(names) == 2
     assert [f"_port{server.port}_dp{i}_pp0_tp0_" in n for i, n in enumerate(names)] == [True, True]
 

@@ -32,7 +32,7 @@ def test_pg_keyed_name_matches_upstream_form():
     assert (p.placement_group_id, p.port) == ("a8557c81", None)
 
 
-def test_ipv6_and_dp_none_round_trip():
+def test_ipv6_node_and_missing_dp_rank_round_trip():
     name = get_scheduler_actor_name("fe80::1", None, 1, 0, 0, port=8000)
     p = parse_scheduler_actor_name(name)
     assert (p.node_ip, p.dp_rank, p.pp_rank) == ("fe80::1", None, 1)

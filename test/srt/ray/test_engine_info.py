@@ -28,7 +28,7 @@ from sglang.srt.model_executor.parallelism_config import (
         (False, True, True, True),
     ],
 )
-def test_engine_info_predicates(te, bootstrap, needs, registers):
+def test_bootstrap_needed_for_either_flag_but_configs_registered_only_with_bootstrap(te, bootstrap, needs, registers):
     cfg = types.SimpleNamespace(
         remote_instance_weight_loader_start_seed_via_transfer_engine=te,
         enable_engine_info_bootstrap=bootstrap,
@@ -101,14 +101,14 @@ def test_rdt_flag_without_nixl_says_what_to_install(monkeypatch):
         check_weight_sync_args(args)
 
 
-def test_global_rank_layout():
+def test_global_rank_counts_tp_then_pp_then_dp_and_attention_dp_folds_into_tp():
     assert global_rank_of(dict(tp_size=2, pp_size=2, tp_rank=1, pp_rank=1, dp_rank=0)) == 3
     assert global_rank_of(dict(tp_size=2, pp_size=1, tp_rank=1, pp_rank=0, dp_rank=2, dp_size=3)) == 5
     # Attention DP folds DP into TP: the rank is the TP/PP position.
     assert global_rank_of(dict(tp_size=4, pp_size=1, tp_rank=3, pp_rank=0, dp_rank=1, attn_dp_size=2)) == 3
 
 
-def test_parallelism_config_routes():
+def test_parallelism_config_routes_serve_registered_ranks_and_refuse_bad_configs():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 

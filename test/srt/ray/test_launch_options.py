@@ -12,7 +12,7 @@ import pytest
 # --------------------------------------------------------------------------- #
 # Launch options travel in a context variable
 # --------------------------------------------------------------------------- #
-def test_launch_options_contextvar_scoping():
+def test_launch_options_apply_inside_their_context_only():
     from sglang.srt.ray.launch import current_launch_options, ray_launch_options
 
     assert current_launch_options().placement_group is None
@@ -60,7 +60,7 @@ def test_resources_follow_the_device():
         count_rank_bundles([{"GPU": 2}], "cuda")
 
 
-def test_actor_options_forward_sglang_env(monkeypatch):
+def test_actors_get_the_sglang_env_vars_and_nothing_else(monkeypatch):
     from sglang.srt.ray.actor_options import forwarded_env
 
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")

@@ -53,7 +53,7 @@ def test_backend_mp_contradicting_use_ray_is_an_error(capsys):
     assert "contradicts --use-ray" in capsys.readouterr().err
 
 
-def test_ray_flags_parse():
+def test_ray_flags_parse_and_default_to_off():
     a = prepare_server_args(
         BASE + ["--backend", "ray", "--ray-namespace", "rollout", "--ray-address",
                 "127.0.0.1:6379", "--ray-startup-timeout", "12.5",

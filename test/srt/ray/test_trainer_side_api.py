@@ -307,7 +307,7 @@ def test_context_serializes_threads():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_mapper_names_and_shard_counts(model_dirs, family):
+def test_mapper_maps_hf_names_to_fused_params_with_shard_counts(model_dirs, family):
     model = replica(model_dirs, family, 0, 1)
     mapper = ParameterMapper.from_model(model)
     params = dict(model.named_parameters())
@@ -383,7 +383,7 @@ def test_load_weights_under_tp2_gives_each_rank_its_slice(model_dirs, family):
         assert torch.equal(params["lm_head.weight"].data, rows(sd["lm_head.weight"]))
 
 
-def test_moe_expert_mapping_and_ep2_load(model_dirs):
+def test_ep2_rank_maps_and_loads_only_its_own_experts(model_dirs):
     """EP 2, rank 1 holds experts 2 and 3; staged like miles until each param is complete."""
     model = replica(model_dirs, "qwen3_moe", 1, 2, moe_ep_size=2, moe_ep_rank=1, moe_tp_size=1)
     mapper = ParameterMapper.from_model(model)

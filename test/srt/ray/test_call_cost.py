@@ -88,7 +88,9 @@ def test_paused_engine_loop_waits_every_round_instead_of_spinning(server, ray_cl
     def count_rounds(self):
         """(In the rank actor; pickled by value) count the scheduler loop's
         rounds — each passes the safe point once. Returns (rounds, idle waits)."""
-        q = self.scheduler.safe_point_tasks
+        from sglang.srt.managers.scheduler_safe_point import safe_point_queue
+
+        q = safe_point_queue(self.scheduler)
         if "run_pending" not in vars(q):
             counted = [0]
             run_pending = q.run_pending

@@ -33,6 +33,13 @@ from sglang.srt.ray.rdt.transport import nixl_threads
 from sglang.srt.ray.rdt.transport.metadata import ReadResult
 
 
+class FakeScheduler(types.SimpleNamespace):
+    """A stand-in scheduler, hashed by identity like sglang's (the registry
+    of safe-point queues and listeners holds schedulers weakly)."""
+
+    __hash__ = object.__hash__
+
+
 # --------------------------------------------------------------------------- #
 # Pull planning (validation before any byte moves)
 # --------------------------------------------------------------------------- #
@@ -366,7 +373,7 @@ def test_receiver_drops_registrations_on_release_and_restores_on_resume(monkeypa
         registrations=RegistrationBook(nixl.register, nixl.deregister),
     )
     assert recv.register()["registrations"] == 2
-    scheduler = types.SimpleNamespace()
+    scheduler = FakeScheduler()
     add_weight_listener(scheduler, recv)
     notify_weights_released(scheduler)
     assert nixl.live == {} and recv.status()["weights_released"] is True
@@ -402,7 +409,7 @@ def test_sglangs_own_weight_loads_make_the_rank_walk_the_model_again():
         named = sync.port.named_parameters
         sync.port.named_parameters = lambda: walks.append(threading.get_ident()) or named()
         sync.receiver.param_names()  # a first walk, as a first pull makes
-        scheduler = types.SimpleNamespace()
+        scheduler = FakeScheduler()
         add_weight_listener(scheduler, sync)
         updater = object.__new__(SchedulerWeightUpdaterManager)
         updater.scheduler, updater.metrics_collector = scheduler, None

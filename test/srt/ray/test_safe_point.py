@@ -22,6 +22,7 @@ import sglang.srt.managers.scheduler_safe_point as sp
 from sglang.srt.managers.scheduler_safe_point import (
     EventLoopNotRunning,
     SafePointQueue,
+    attach_safe_point_queue,
     run_safe_point_tasks,
 )
 
@@ -29,12 +30,26 @@ from sglang.srt.managers.scheduler_safe_point import (
 LONG_WAIT_S = 600.0
 
 
+class FakeScheduler(types.SimpleNamespace):
+    """A stand-in scheduler, hashed by identity like sglang's (the registry
+    of safe-point queues and listeners holds schedulers weakly)."""
+
+    __hash__ = object.__hash__
+
+
+def scheduler_with(q, **attrs):
+    sched = FakeScheduler(**attrs)
+    if q is not None:
+        attach_safe_point_queue(sched, q)
+    return sched
+
+
 # --------------------------------------------------------------------------- #
 # Safe points: work queued from other threads runs on the loop thread
 # --------------------------------------------------------------------------- #
 def test_safe_point_runs_tasks_on_the_loop_thread():
     q = SafePointQueue()
-    sched = types.SimpleNamespace(safe_point_tasks=q)
+    sched = scheduler_with(q)
     q.loop_started()
     stop = threading.Event()
     loop_thread = {}
@@ -141,7 +156,7 @@ def test_tasks_run_in_the_order_they_were_queued_whoever_queued_them():
 
 def test_a_task_that_calls_the_safe_point_again_runs_that_call_in_place():
     q = SafePointQueue()
-    sched = types.SimpleNamespace(safe_point_tasks=q)
+    sched = scheduler_with(q)
     q.loop_started()
     stop = threading.Event()
 
@@ -180,9 +195,9 @@ def test_sleeping_idle_loop_wakes_for_a_queued_task(attach):
     sock = ctx.socket(zmq.PULL)  # a tokenizer socket nobody sends on
     sock.bind("inproc://idle-test")
     sleeper = IdleSleeper([sock])
-    sched = types.SimpleNamespace(idle_sleeper=sleeper)
+    sched = scheduler_with(None, idle_sleeper=sleeper)
     q = SafePointQueue()
-    sched.safe_point_tasks = q
+    attach_safe_point_queue(sched, q)
     if attach:
         assert wake_idle_sleeper_on_tasks(sched, q) is True
     assert wake_idle_sleeper_on_tasks(types.SimpleNamespace(), q) is False
@@ -250,8 +265,8 @@ def quiet_loop(request, monkeypatch):
     sender = ctx.socket(zmq.PUSH)
     sender.connect("inproc://safe-point-quiet-loop")
     q = SafePointQueue()
-    sched = types.SimpleNamespace(
-        safe_point_tasks=q, _engine_paused=True, _deferred_input_requests=[],
+    sched = scheduler_with(
+        q, _engine_paused=True, _deferred_input_requests=[],
         gracefully_exit=False,
         request_receiver=types.SimpleNamespace(
             recv_from_tokenizer=sock, recv_from_rpc=None, recv_skipper=None,
@@ -410,8 +425,8 @@ def test_rank_with_tp_peers_never_waits(monkeypatch):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     q = SafePointQueue()
-    sched = types.SimpleNamespace(
-        safe_point_tasks=q, _engine_paused=True, _deferred_input_requests=[],
+    sched = scheduler_with(
+        q, _engine_paused=True, _deferred_input_requests=[],
         request_receiver=types.SimpleNamespace(recv_from_tokenizer=sock, recv_from_rpc=None),
     )
     q.loop_started()

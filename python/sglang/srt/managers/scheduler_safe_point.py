@@ -31,6 +31,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
@@ -299,9 +300,22 @@ def _build_idle_poller(scheduler, wake_fd: int):
     return poller, sockets
 
 
+# Each scheduler's queue, held here (the scheduler object is not touched).
+_QUEUES: "weakref.WeakKeyDictionary[Any, SafePointQueue]" = weakref.WeakKeyDictionary()
+
+
+def attach_safe_point_queue(scheduler, tasks: SafePointQueue) -> None:
+    """Have ``scheduler``'s loop run the tasks queued on ``tasks``."""
+    _QUEUES[scheduler] = tasks
+
+
+def safe_point_queue(scheduler) -> Optional[SafePointQueue]:
+    return _QUEUES.get(scheduler)
+
+
 def run_safe_point_tasks(scheduler) -> None:
     """Called by the scheduler loop once per iteration (see the patch)."""
-    tasks = getattr(scheduler, "safe_point_tasks", None)
+    tasks = _QUEUES.get(scheduler)
     if tasks is not None:
         tasks.run_pending(scheduler)
 

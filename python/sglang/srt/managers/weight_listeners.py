@@ -31,21 +31,22 @@ A listener implements any of these methods (all run on the scheduler thread):
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import List, Optional
 
 logger = logging.getLogger(__name__)
 
 
+# Each scheduler's listeners, held here (the scheduler object is not touched).
+_LISTENERS: "weakref.WeakKeyDictionary[object, List[object]]" = weakref.WeakKeyDictionary()
+
+
 def add_weight_listener(scheduler, listener) -> None:
-    listeners = getattr(scheduler, "weight_listeners", None)
-    if listeners is None:
-        listeners = []
-        scheduler.weight_listeners = listeners
-    listeners.append(listener)
+    _LISTENERS.setdefault(scheduler, []).append(listener)
 
 
 def _listeners(scheduler, method: str):
-    for listener in getattr(scheduler, "weight_listeners", None) or ():
+    for listener in _LISTENERS.get(scheduler, ()):
         fn = getattr(listener, method, None)
         if fn is not None:
             yield fn

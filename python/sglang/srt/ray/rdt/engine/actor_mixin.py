@@ -149,6 +149,7 @@ class RdtWeightSyncMixin(RankActorApi):
     def _init_weight_sync(self, server_args) -> None:
         from sglang.srt.managers.scheduler_safe_point import (
             SafePointQueue,
+            attach_safe_point_queue,
             wake_idle_sleeper_on_tasks,
         )
         from sglang.srt.managers.weight_listeners import add_weight_listener
@@ -160,7 +161,7 @@ class RdtWeightSyncMixin(RankActorApi):
         device = get_device()
         self._rdt_gpu_id, self._rdt_device = device.gpu_id, device.device
         safe_point = SafePointQueue()
-        self.scheduler.safe_point_tasks = safe_point  # run by the scheduler's loop
+        attach_safe_point_queue(self.scheduler, safe_point)  # run by the scheduler's loop
         self._rdt_idle_sleep = "off"
         if getattr(self.scheduler, "idle_sleeper", None) is not None:
             # --sleep-on-idle: a queued pull or finalize wakes the loop at once

@@ -755,6 +755,23 @@ def test_client_updates_a_live_server_and_rejects_bad_tensors_first(
         lane = ray_client.get(rank.get_weight_sync_status.remote(), timeout=60)["lane"]
         assert lane["open"] and lane["calls"] >= 2 * len(stats.buckets)
 
+    # Generation paused by the caller (no session): fresh tensors, then a
+    # stream, each ended by the client on the rank; generation continues on them.
+    requests.post(f"{server.url}/pause_generation", json={"mode": "retract"}, timeout=60).raise_for_status()
+    actors = [r.actor for r in direct_client.ranks]
+    with WeightSyncClient(actors, export="direct", bucket_bytes=64 * 1024) as paused_client:
+        for seed, version, stream in ((25, "p-1", False), (26, "p-2", True)):
+            new = random_state_dict(tiny_model, seed)
+            stats = paused_client.update(iter(list(new.items())) if stream else new, version=version,
+                                         strict=True)
+            assert (stats.path, stats.tensors) == ("direct", len(ptrs))
+    requests.post(f"{server.url}/continue_generation", json={}, timeout=60).raise_for_status()
+    res = server.generate(PROMPT, 16)
+    assert res["output_ids"] == hf_greedy(tiny_model, PROMPT, 16, new)
+    assert res["meta_info"]["weight_version"] == "p-2"
+    status = requests.get(f"{server.url}/weight_sync/status", timeout=30).json()
+    assert (status["weights_consistent"], status["update_open"]) == (True, False)
+
 
 @pytest.mark.slow
 def test_metrics_recorded_in_an_actor_reach_rays_prometheus_endpoint(ray_client):

@@ -21,7 +21,7 @@ from typing import Dict, Set
 # A rank that stays paused longer than this between updates collects again.
 MAX_HOLD_S = 300.0
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards the holders and the collector's state
 _holders: Dict[str, float] = {}  # holder -> when it began holding (monotonic)
 _we_disabled = False
 

@@ -124,7 +124,7 @@ class RdtMetrics:
 
 
 # The process-wide instance (one SchedulerActor per process).
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards the process-wide metrics instance
 _metrics: Optional[RdtMetrics] = None
 
 

@@ -89,7 +89,7 @@ class RankUpdateState:
         self.rank = rank
         self._weight_version = weight_version or (lambda: None)
         self._clock = clock
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # guards the update, consistency and counters; taken last
         self._update: Optional[_Update] = None
         self._consistent = True
         self._reason: Optional[str] = None

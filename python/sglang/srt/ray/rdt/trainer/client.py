@@ -153,7 +153,7 @@ class WeightSyncClient:
         self._statuses: Optional[List[Dict[str, Any]]] = None
         self._route: Optional[Route] = None
         self._hf_resharder = None
-        self._busy = threading.Lock()
+        self._busy = threading.Lock()  # one update() of this client at a time
 
     @classmethod
     def connect(cls, port: int, *, namespace: str, node_ip: Optional[str] = None,

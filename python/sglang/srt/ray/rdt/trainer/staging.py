@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards the per-device pools and their users
 _pools: Dict[int, "StagingPool"] = {}  # device index -> this process's pool
 
 

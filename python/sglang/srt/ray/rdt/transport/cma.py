@@ -41,7 +41,7 @@ class _IoVec(ctypes.Structure):
 
 
 _libc = None
-_libc_lock = threading.Lock()
+_libc_lock = threading.Lock()  # loading libc once
 
 
 def _readv():
@@ -125,7 +125,7 @@ class CmaReader:
     def __init__(self, threads: Optional[int] = None):
         self.threads = max(1, threads or min(4, os.cpu_count() or 1))
         self._pool: Optional[ThreadPoolExecutor] = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the reader threads' pool
 
     def probe(self, pid: int, src: int) -> Optional[str]:
         """None if one byte at ``src`` can be read from ``pid``, else why not."""
@@ -217,7 +217,7 @@ class CmaPath:
 
     def __init__(self):
         self._reader: Optional[CmaReader] = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards building the reader once
         self._denied: dict = {}  # sender pid -> why reading is refused
 
     def unusable(self, part: CmaPart, device, node_id: str) -> Optional[str]:

@@ -20,7 +20,7 @@ RAY_VERSIONS = ("2.60.0",)
 NIXL_VERSIONS = ("1.5.1",)
 
 _checked = False
-_check_lock = threading.Lock()
+_check_lock = threading.Lock()  # the version check runs once
 
 
 def check_versions() -> Optional[str]:

@@ -361,7 +361,7 @@ def copy_tensors(dst, src) -> None:
 
 _kernels: Dict[int, CopyKernel] = {}
 _driver: Optional[_Driver] = None
-_driver_lock = threading.Lock()
+_driver_lock = threading.Lock()  # guards loading the driver and building kernels
 
 
 def driver() -> _Driver:

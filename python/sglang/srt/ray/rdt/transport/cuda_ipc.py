@@ -108,7 +108,7 @@ class CudaIpcExporter:
         self.token = token
         self._keeper = keeper
         self._known: Dict[int, _KnownSegments] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the known segments
 
     def export(self, tensors, ordinal: int, node_id: str) -> IpcPart:
         """An :class:`IpcPart` of ``tensors`` (contiguous, all on GPU ``ordinal``)."""
@@ -183,7 +183,7 @@ class CudaIpcReader:
     max_kept_senders = 4
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards the mappings and the kernel tables; held over a read
         self.kept: Dict[Tuple[str, int], _Mapping] = {}  # (sender, base) -> mapping
         self._ordinals: Dict[str, Optional[int]] = {}
         self._tables: Dict[int, tuple] = {}  # id(targets ptrs) -> (ptrs, src, device table)

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 WATCH_S = 0.1
 SPINNING_SHARE = 0.5
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # the agent is started once per process
 _started = False
 _idled = 0
 

@@ -22,7 +22,7 @@ from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransport
 __all__ = ["Targets", "export", "read", "unusable", "release", "token", "node_id", "reach"]
 
 _TOKEN = uuid.uuid4().hex
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards building the exporter and readers once, and the keepers
 _exporter: Optional[CudaIpcExporter] = None
 _ipc_reader: Optional[CudaIpcReader] = None
 _cma: Optional[CmaPath] = None

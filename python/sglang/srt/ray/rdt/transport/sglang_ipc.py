@@ -122,7 +122,7 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
         self._nixl().abort_transport(obj_id, compat.nixl_communicator_metadata())
 
 
-_register_lock = threading.Lock()
+_register_lock = threading.Lock()  # registration with Ray, once per process
 
 
 def register() -> str:

@@ -7,9 +7,10 @@ hostname and the pid namespace are shared. One server from the CLI with
 bundle 0 on the launching node, bundle 1 on the other.
 
 A trainer actor pinned to one node updates both ranks with
-``WeightSyncClient(transport="auto")`` (buckets in the trainer's process). The
-rank on the trainer's node must read with ``process_vm_readv`` (``cma``), the
-other over NIXL: the choice is made by Ray node id. A check by IP, hostname or
+``WeightSyncClient(transport="auto")`` (bucket slots in the trainer's
+process). The rank on the trainer's node must get its pulls over its
+same-node call lane and read with ``process_vm_readv`` (``cma``), the other
+must read the slots' refs over NIXL: the choice is made by Ray node id. A check by IP, hostname or
 pid visibility would pick CMA for both here (same host, both pids visible).
 """
 
@@ -104,10 +105,13 @@ def test_same_node_copy_only_where_ray_node_ids_match_and_both_ranks_serve_new_w
     nodes = first_update["nodes"]
     head_node, worker_node = nodes[first_update["local_ip"]], nodes[worker.node_ip]
 
-    def check(out, trainer_node, expected_paths, seed, version):
+    def check(out, trainer_node, lane_rank, expected_paths, seed, version):
         tr = out["trainer"]
         assert tr["node_id"] == trainer_node
-        assert tr["put_transport"] == "SGLANG_IPC"  # auto: every rank accepts the fast path
+        # The rank on the trainer's node is reached over its call lane; the
+        # other pulls refs of the client's bucket slots, put with SGLANG_IPC
+        # (auto: every rank without a lane accepts it).
+        assert (tr["lanes"], tr["ref_transport"]) == ([lane_rank], "SGLANG_IPC")
         new = random_state_dict(tiny_model, seed)
         model_bytes = sum(t.numel() * t.element_size() for t in new.values())
         stats = tr["stats"]
@@ -128,9 +132,9 @@ def test_same_node_copy_only_where_ray_node_ids_match_and_both_ranks_serve_new_w
             assert (res["output_ids"], res["meta_info"]["weight_version"]) == (expected, version)
 
     # Trainer on the launching node: rank 0 shares its node, rank 1 does not.
-    check(first_update, head_node, [SAME_NODE, OTHER_NODE], 7, "two-1")
+    check(first_update, head_node, 0, [SAME_NODE, OTHER_NODE], 7, "two-1")
 
     # Trainer on the worker node: the paths swap with the node, not the rank.
     out = run_job(head, server, tiny_model, rank_node_ips=["local", worker.node_ip],
                   trainer_node_ip=worker.node_ip, seed=8, version="two-2")
-    check(out, worker_node, [OTHER_NODE, SAME_NODE], 8, "two-2")
+    check(out, worker_node, 1, [OTHER_NODE, SAME_NODE], 8, "two-2")

@@ -35,6 +35,7 @@ from sglang.srt.ray.rdt.engine.sources import LocalSource
 from sglang.srt.ray.rdt.engine.update_state import Writer
 from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.lane_wire import FRAME_TIMEOUT_S, ID_BYTES, SECRET_BYTES, recv_frame, send_frame
+from sglang.srt.ray.rdt.transport import same_node
 from sglang.srt.ray.rdt.transport.cma import proc_stat_fields
 
 logger = logging.getLogger(__name__)
@@ -214,8 +215,6 @@ class RankLane:
             if op in ("pull", "prepare"):
                 return ("ok", self._pull(conn, op, kw))
             if op == "map":  # the reader's own state only: no safe point needed
-                from sglang.srt.ray.rdt.transport import same_node
-
                 return ("ok", same_node.map_kept(kw["source"], self._rank.device))
             if op == "finalize":
                 # (the next update's walk runs once this answer has left: after_reply)

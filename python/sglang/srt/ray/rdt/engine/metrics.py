@@ -83,9 +83,8 @@ class RdtMetrics:
             histogram = histogram or default_histogram
         else:
             self.backend = backend or "custom"
-        labels = {k: str(v) for k, v in (labels or {}).items()}
-        names = list(labels)
-        self._labels = labels
+        self._labels = {k: str(v) for k, v in (labels or {}).items()}
+        names = list(self._labels)
 
         def c(name, doc, extra=()):
             return counter(name=name, documentation=doc, labelnames=names + list(extra))
@@ -95,7 +94,8 @@ class RdtMetrics:
 
         self.pulls = c("sglang:rdt_weight_pulls", "RDT weight pulls that completed")
         self.pull_bytes = c("sglang:rdt_weight_pull_bytes", "Bytes written into live parameters by RDT pulls")
-        self.pull_tensors = c("sglang:rdt_weight_pull_tensors", "Tensors written into live parameters by RDT pulls")
+        self.pull_tensors = c("sglang:rdt_weight_pull_tensors",
+                              "Tensors written into live parameters by RDT pulls")
         self.pull_seconds = h("sglang:rdt_weight_pull_seconds", "Seconds per RDT pull (plan + transfer)")
         self.updates = c("sglang:rdt_weight_updates", "RDT weight updates finalized")
         self.update_seconds = h("sglang:rdt_weight_update_seconds",

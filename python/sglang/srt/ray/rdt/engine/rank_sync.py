@@ -131,15 +131,13 @@ class RankWeightSync:
         return out
 
     def _probe_read(self, probe) -> Optional[str]:
-        from sglang.srt.ray.rdt.transport.cuda_ipc import Targets
-
         device = self.device if self.device is not None else torch.device("cpu")
         why = same_node.unusable(probe, device)
         if why is not None:
             return why
         into = torch.empty(256, dtype=torch.uint8, device=device)
         try:
-            same_node.read(probe, Targets.of([into]), device)
+            same_node.read(probe, same_node.Targets.of([into]), device)
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         if not torch.equal(into.cpu(), torch.arange(256, dtype=torch.uint8)):
@@ -228,11 +226,8 @@ class RankWeightSync:
             self._refresh_posted = False  # no loop to take it: the next pull walks
 
     def begin(self) -> Dict[str, Any]:
-        def run():
-            self.port.begin_session()
-            return {"success": True}
-
-        return self.on_scheduler(run)
+        self.on_scheduler(self.port.begin_session)
+        return {"success": True}
 
     def finalize(self, weight_version: Optional[str] = None, flush_cache: bool = True,
                  walk_after: bool = True) -> Dict[str, Any]:
@@ -282,10 +277,9 @@ class RankWeightSync:
             self.prepare_next_pull()
 
     def writer_gone(self, writer, how: str) -> None:
-        """``writer`` (a trainer process) went away (``how``) with the update
-        it wrote in still open: the weights are inconsistent until a complete
-        update ends; an update under a plain pause, which nobody else would
-        end, is aborted (an engine session ends or expires on its own)."""
+        """``writer`` (a trainer process) went away (``how``) with the update it
+        wrote in still open: the weights are inconsistent until a complete update
+        ends; one under a plain pause is aborted (a session ends or expires itself)."""
         reason = f"{writer.label} {how} before the update it wrote in ended"
         kind = self.state.writer_gone(writer.id, reason)
         if kind is None:

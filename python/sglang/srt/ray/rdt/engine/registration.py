@@ -36,25 +36,23 @@ def expandable_segment_tensors(tensors, snapshot=None) -> List[torch.Tensor]:
     return [t for t in cuda if any(lo <= t.data_ptr() < hi for lo, hi in spans)]
 
 
-def warn_if_expandable_segments(tensors, snapshot=None, *, once: bool = True) -> bool:
+def warn_if_expandable_segments(tensors) -> None:
     """Warn (once per process) if any CUDA tensor lives in an expandable segment."""
     global _EXPANDABLE_CHECKED
-    if once and _EXPANDABLE_CHECKED:
-        return False
+    if _EXPANDABLE_CHECKED:
+        return
     if any(t.is_cuda for t in tensors):
         _EXPANDABLE_CHECKED = True  # the allocator snapshot is not free: look once
     try:
-        hits = expandable_segment_tensors(tensors, snapshot)
+        hits = expandable_segment_tensors(tensors)
     except Exception:  # the allocator cannot tell; nothing to warn about
-        return False
+        return
     if hits:
         logger.warning("[RDT] %d of %d tensors live in CUDA expandable segments "
                        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): NIXL/UCX cannot "
                        "export them over CUDA IPC and silently falls back to TCP (~0.3 GB/s). "
                        "Unset expandable_segments for the rollout engine and the trainer's "
                        "weight buckets.", len(hits), len(tensors))
-        return True
-    return False
 
 
 class RegistrationBook:
@@ -86,17 +84,14 @@ class RegistrationBook:
     def sync(self, tensors: Sequence[torch.Tensor]) -> Dict[str, int]:
         """Make the registrations exactly the storages of ``tensors``."""
         current = {storage_key(t): t for t in unique_storages(tensors)}
-        dropped = 0
-        for key in [k for k in self._entries if k not in current]:
+        dropped = [k for k in self._entries if k not in current]
+        for key in dropped:
             self._deregister(self._entries.pop(key))
-            dropped += 1
-        added = 0
-        for key, t in current.items():
-            if key not in self._entries:
-                self._register(t)
-                self._entries[key] = t
-                added += 1
-        return {"added": added, "dropped": dropped}
+        added = [k for k in current if k not in self._entries]
+        for key in added:
+            self._register(current[key])
+            self._entries[key] = current[key]
+        return {"added": len(added), "dropped": len(dropped)}
 
     def release_all(self) -> int:
         n = 0
@@ -163,19 +158,16 @@ class ParameterRegistration:
         covered (a reused plan's targets did not move since)."""
         if not self.wanted or self.book is None:
             return
-        book = self.book
-        if not walked and (reused or all(book.covers(t) for ts in targets for t in ts)):
-            return
-        self.after_walk()
+        if walked or not (reused or all(self.book.covers(t) for ts in targets for t in ts)):
+            self.after_walk()
 
     def after_walk(self) -> None:
         """Bring the registrations onto every parameter's current storage
         (after a walk of the model)."""
         if not self.wanted or self.book is None:
             return
-        book = self.book
         params = self._plans.params if self._plans.params is not None else self._get_params()
         layout = [(p.data_ptr(), p.numel()) for p in params.values()]
         if layout != self._layout:
-            book.sync([p.data for p in params.values()])
+            self.book.sync([p.data for p in params.values()])
             self._layout = layout

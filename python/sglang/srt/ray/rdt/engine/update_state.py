@@ -154,8 +154,8 @@ class RankUpdateState:
         if u.conflict is None:
             u.conflict = message
         self._mark_inconsistent(message)
-        self._fail("conflict")
-        logger.error("[RDT]%s %s", self._where(), message)
+        self.fail("conflict")
+        logger.error("[RDT]%s %s", f" {self.rank}" if self.rank else "", message)
         raise WeightUpdateConflictError(message)
 
     def landed(self, writes: Sequence[Tuple[Sequence[str], Writer]], stats: Dict[str, Any]) -> None:
@@ -195,7 +195,7 @@ class RankUpdateState:
                 u.writers.pop(name, None)
             self.totals["failed_pulls"] += 1
             self._mark_inconsistent(reason)
-            self._fail("transfer")
+            self.fail("transfer")
 
     def end(self, **extra: Any) -> Dict[str, Any]:
         """The update ends (``end_weight_update``, finalize, or continue after
@@ -270,12 +270,8 @@ class RankUpdateState:
             self.failed_updates += 1
             if u is not None and u.touched:
                 self._mark_inconsistent(reason)
-        self._fail("abort")
+        self.fail("abort")
         return self.status()
-
-    def fail(self, kind: str) -> None:
-        """Count a failure of another kind (e.g. ``"finalize"``)."""
-        self._fail(kind)
 
     @property
     def consistent(self) -> bool:
@@ -303,13 +299,14 @@ class RankUpdateState:
                 "failed_updates": self.failed_updates,
                 "failures": dict(self.failures),
                 "last_update": self.last_update,
-                **{k: v for k, v in self.totals.items()},
+                **self.totals,
             }
 
     def _mark_inconsistent(self, reason: str) -> None:
         self._consistent, self._reason = False, reason
 
-    def _fail(self, kind: str) -> None:
+    def fail(self, kind: str) -> None:
+        """Count a failure of ``kind`` (e.g. ``"finalize"``), in the metrics too."""
         with self._lock:
             self.failures[kind] = self.failures.get(kind, 0) + 1
         rdt_metrics.record_failure(kind)
@@ -319,9 +316,6 @@ class RankUpdateState:
             return list(self._param_names()) if self._param_names else None
         except Exception:  # pragma: no cover - the model is gone (shutdown)
             return None
-
-    def _where(self) -> str:
-        return f" {self.rank}" if self.rank else ""
 
 
 def format_update(summary: Dict[str, Any], rank: str = "") -> str:

@@ -45,15 +45,7 @@ def _checked(name, t):
 
 def normalize(named) -> Dict[str, torch.Tensor]:
     """``{name: detached tensor}``; refuses non-tensors, repeats and emptiness."""
-    items = named.items() if isinstance(named, Mapping) else named
-    out: Dict[str, torch.Tensor] = {}
-    for name, t in items:
-        if name in out:
-            raise WeightSyncError(f"{name!r} is given twice")
-        out[name] = _checked(name, t)
-    if not out:
-        raise WeightSyncError("empty update: no tensors were given")
-    return out
+    return dict(stream_items(named.items() if isinstance(named, Mapping) else named))
 
 
 def is_stream(named) -> bool:

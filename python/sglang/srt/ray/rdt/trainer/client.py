@@ -41,6 +41,7 @@ from sglang.srt.ray.rdt.trainer.sender import SenderLink, release_rank_mappings
 from sglang.srt.ray.rdt.trainer.sessions import make_session
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
 from sglang.srt.ray.rdt.trainer.update import Update, group_bytes_for
+from sglang.srt.ray.rdt.transport import same_node
 
 __all__ = ["WeightSyncClient", "WeightSyncRankError", "UpdateStats", "BucketStats", "RankInfo"]
 
@@ -237,8 +238,6 @@ class WeightSyncClient:
     def _warm_pool(self) -> None:
         """Grow the staging pool to what a streamed update holds (two groups)
         and have the ranks map it now."""
-        from sglang.srt.ray.rdt.transport import same_node
-
         with self.staging():
             block = torch.empty(2 * self.bucket_bytes + self.bucket_bytes // 8, dtype=torch.uint8,
                                 device=self.device_obj)
@@ -248,8 +247,6 @@ class WeightSyncClient:
         del block
 
     def _prepare_direct(self, steps, rank_groups) -> None:
-        from sglang.srt.ray.rdt.transport import same_node
-
         if self.device_obj.type == "cuda":
             torch.cuda.synchronize(self.device_obj)
         calls = []
@@ -383,8 +380,6 @@ class WeightSyncClient:
         self.lanes.close()
         try:
             if self._pool is not None or self.device_obj.type == "cuda":
-                from sglang.srt.ray.rdt.transport import same_node
-
                 release_rank_mappings(self.ranks, same_node.token(), self.call_timeout_s,
                                       "the trainer's tensors")
         finally:

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.lane_wire import FRAME_TIMEOUT_S, ID_BYTES, recv_frame, send_frame
+from sglang.srt.ray.rdt.transport import same_node
 from sglang.srt.ray.rdt.transport.cma import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -157,8 +158,6 @@ class Lanes:
         self.opened = True
         import ray
         import torch
-
-        from sglang.srt.ray.rdt.transport import same_node
 
         here, token = same_node.node_id(), same_node.token()
         probe = torch.arange(256, dtype=torch.uint8, device=device or "cpu")

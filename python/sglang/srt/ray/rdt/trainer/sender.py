@@ -21,6 +21,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from sglang.srt.ray.rdt.errors import WeightSyncError, describe, unwrap
+from sglang.srt.ray.rdt.trainer import staging
+from sglang.srt.ray.rdt.transport import same_node
+from sglang.srt.ray.rdt.transport.cuda_driver import copy_tensors
+
 logger = logging.getLogger(__name__)
 
 NUM_SLOTS = 2
@@ -71,8 +76,6 @@ class BucketSender:
                 raise BucketInFlightError(f"cannot grow the slots while {self._in_flight} are in flight")
             self._free_slots()
             if self._device.type == "cuda" and self._pool is None:
-                from sglang.srt.ray.rdt.trainer import staging
-
                 self._pool = staging.acquire(self._device)
             for i in range(self._num_slots):
                 self._slots[i] = self._allocate(slot_bytes)
@@ -124,8 +127,6 @@ class BucketSender:
         flat_views = [v for vs in views for v in vs]
         flat_tensors = [t for ts in tensors for t in ts]
         if buf.is_cuda:  # bit for bit (torch._foreach_copy_ rewrites NaN payloads)
-            from sglang.srt.ray.rdt.transport.cuda_driver import copy_tensors
-
             torch.cuda.synchronize(buf.device)  # the trainer's queued work on its tensors
             # the kernel reads sources on the slots' GPU; others (host memory,
             # another GPU) are copied by torch
@@ -141,12 +142,7 @@ class BucketSender:
         out = []
         for vs in views:
             ref = self._put(vs, ref_transport) if ref_transport else None
-            meta = None
-            if local:
-                from sglang.srt.ray.rdt.transport import same_node
-
-                meta = same_node.export(vs)
-            out.append((ref, meta))
+            out.append((ref, same_node.export(vs) if local else None))
         self.stats["fills"] += 1
         self.stats["bytes"] += sum(v.nbytes for v in flat_views)
         return out
@@ -181,24 +177,12 @@ class BucketSender:
     def in_flight(self) -> List[Optional[str]]:
         return list(self._in_flight)
 
-    def sender_token(self) -> str:
-        """The identity ranks key their mappings of these slots by."""
-        from sglang.srt.ray.rdt.transport import same_node
-
-        return same_node.token()
-
-    def state(self) -> Dict[str, Any]:
-        return {"device": str(self._device), "slots": self._num_slots, "slot_bytes": self.slot_bytes,
-                "in_flight": list(self._in_flight), "closed": self._closed, **self.stats}
-
     def close(self) -> int:
         """Free the slots (in flight or not; the caller made the ranks release
         their mappings first); returns how many."""
         n = self._free_slots()
         self._closed = True
         if self._pool is not None:
-            from sglang.srt.ray.rdt.trainer import staging
-
             staging.release(self._pool)
             self._pool = None
         return n
@@ -216,8 +200,6 @@ class SenderLink:
         self.slot_bytes = 0
 
     def call(self, method: str, *args):
-        from sglang.srt.ray.rdt.errors import WeightSyncError, describe
-
         if self.sender is None:
             self.sender = BucketSender(self.device, NUM_SLOTS)
         try:
@@ -235,7 +217,7 @@ class SenderLink:
     def release_rank_mappings(self, ranks) -> None:
         """Every rank closes its kept mappings of the slots (best effort)."""
         if self.sender is not None and self.device.startswith("cuda"):
-            release_rank_mappings(ranks, self.sender.sender_token(), self.call_timeout_s, "the bucket slots")
+            release_rank_mappings(ranks, same_node.token(), self.call_timeout_s, "the bucket slots")
 
     def close(self, ranks) -> None:
         """Free the slots, once the ranks let go of them."""
@@ -253,8 +235,6 @@ def release_rank_mappings(ranks, token: str, timeout_s: float, what: str) -> Non
     """Every rank closes its kept CUDA IPC mappings of sender ``token``'s
     memory before it is freed (best effort per rank: a failure is logged)."""
     import ray
-
-    from sglang.srt.ray.rdt.errors import describe, unwrap
 
     calls = [(r, r.actor.release_weight_sync_mappings.remote(token)) for r in ranks]
     for r, ref in calls:

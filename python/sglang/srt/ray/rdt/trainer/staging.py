@@ -22,6 +22,8 @@ from typing import Dict, Iterator, Optional, Set
 
 import torch
 
+from sglang.srt.ray.rdt.transport import same_node
+
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()  # guards the per-device pools and their users
@@ -76,8 +78,6 @@ def acquire(device) -> Optional[StagingPool]:
         return None
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    from sglang.srt.ray.rdt.transport import same_node
-
     with _lock:
         pool = _pools.get(index)
         if pool is None:
@@ -87,24 +87,12 @@ def acquire(device) -> Optional[StagingPool]:
         return pool
 
 
-def get(device) -> Optional[StagingPool]:
-    """This process's pool on ``device`` if one is in use."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return None
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    with _lock:
-        return _pools.get(index)
-
-
 def release(pool: Optional[StagingPool]) -> bool:
     """Drop one user of ``pool``; the last one frees its memory (call it only
     once every rank released its mappings of this process). Returns whether
     the pool was freed."""
     if pool is None:
         return False
-    from sglang.srt.ray.rdt.transport import same_node
-
     with _lock:
         pool.users -= 1
         if pool.users > 0:

@@ -33,6 +33,7 @@ from sglang.srt.ray.rdt.ranks import settle, unfinished
 from sglang.srt.ray.rdt.trainer import buckets
 from sglang.srt.ray.rdt.trainer.lane import LaneCall
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
+from sglang.srt.ray.rdt.transport import same_node
 
 logger = logging.getLogger(__name__)
 
@@ -173,19 +174,15 @@ class Update:
 
     def _describe(self, index: int, step) -> Flight:
         """Direct: describe the trainer's own tensors where they are."""
-        from sglang.srt.ray.rdt.transport import same_node
-
         device = self.client.device_obj
-        sources, held = [], 0
         for _, group in step:
             _in_place(group, device)
-            held += group.nbytes
         if device.type == "cuda" and (self.stream or index == 0):
             # queued work on them is done before a rank reads (a mapping: all
             # made before the call; an iterator: made as it is consumed)
             torch.cuda.synchronize(device)
-        for _, group in step:
-            sources.append((None, same_node.export(group.tensors, with_specs=False)))
+        sources = [(None, same_node.export(g.tensors, with_specs=False)) for _, g in step]
+        held = sum(g.nbytes for _, g in step)
         self.held += held
         self.max_held = max(self.max_held, self.held)
         return Flight(index, step, [], 0.0, held_bytes=held, sources=sources)

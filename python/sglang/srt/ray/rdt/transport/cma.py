@@ -133,9 +133,7 @@ class CmaReader:
         local = _IoVec(ctypes.cast(scratch, ctypes.c_void_p), 1)
         remote = _IoVec(src, 1)
         got = _readv()(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if got == 1:
-            return None
-        return describe_errno(ctypes.get_errno())
+        return None if got == 1 else describe_errno(ctypes.get_errno())
 
     def read(self, pid: int, copies: Sequence[Copy]) -> int:
         """Copy everything; raise :class:`CmaError` if any part fails."""

@@ -42,16 +42,13 @@ def check_versions() -> Optional[str]:
     except ImportError:
         return None
     try:
-        from importlib.metadata import PackageNotFoundError, version
+        from importlib.metadata import version
 
-        try:
-            nixl_version = version("nixl")
-        except PackageNotFoundError:
-            nixl_version = None
-        if nixl_version is not None and nixl_version not in NIXL_VERSIONS:
-            problems.append(f"nixl {nixl_version} (written for {', '.join(NIXL_VERSIONS)})")
-    except Exception:  # pragma: no cover - metadata unreadable
-        pass
+        nixl_version = version("nixl")
+    except Exception:  # not installed, or its metadata unreadable
+        nixl_version = None
+    if nixl_version is not None and nixl_version not in NIXL_VERSIONS:
+        problems.append(f"nixl {nixl_version} (written for {', '.join(NIXL_VERSIONS)})")
     if not problems:
         return None
     message = (

@@ -232,8 +232,7 @@ CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 
 def _load_nvrtc():
     """NVRTC from the system or from PyTorch's CUDA wheels (``nvidia/*/lib``)."""
-    names = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-    for name in names:
+    for name in ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"):
         try:
             return ctypes.CDLL(name)
         except OSError:

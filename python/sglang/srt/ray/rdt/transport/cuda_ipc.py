@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
+import torch
 
 from sglang.srt.ray.rdt.transport import cuda_driver
 from sglang.srt.ray.rdt.transport.cma import pid_alive
@@ -196,8 +197,6 @@ class CudaIpcReader:
 
     def unusable(self, part: IpcPart, device, node_id: str) -> Optional[str]:
         """None when this process can read ``part`` into tensors on ``device``."""
-        import torch
-
         if not torch.cuda.is_available():
             return "no CUDA device in this process"
         if node_id != part.node_id:
@@ -214,8 +213,6 @@ class CudaIpcReader:
         ``copy=False``: map the kept segments only. Raises
         :class:`MappingFailed` before any byte moved when a segment cannot be
         mapped (another reader, e.g. NIXL, may still serve the read)."""
-        import torch
-
         t0 = time.perf_counter()
         targets.check(part.nbytes)
         dst_ord = device.index if device.index is not None else torch.cuda.current_device()
@@ -299,8 +296,6 @@ class CudaIpcReader:
 
     def _copy(self, drv, targets: Targets, src: np.ndarray, nbytes: np.ndarray,
               src_ord: int, dst_ord: int) -> str:
-        import torch
-
         stream = torch.cuda.current_stream(dst_ord).cuda_stream
         if src_ord == dst_ord and self._no_kernel is None:
             try:
@@ -325,8 +320,6 @@ class CudaIpcReader:
     def _table(self, targets: Targets, src: np.ndarray, nbytes: np.ndarray, ordinal: int):
         """The kernel's device table; the last one of these targets is reused
         when the sources are the same (a kept segment, the same offsets)."""
-        import torch
-
         cached = self._tables.get(id(targets.ptrs))
         if cached is not None and cached[0] is targets.ptrs and np.array_equal(cached[1], src):
             return cached[2]

@@ -15,6 +15,8 @@ import threading
 import uuid
 from typing import Any, Callable, Dict, Optional
 
+import torch
+
 from sglang.srt.ray.rdt.transport.cma import CmaPath, export_cma
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader, Targets
 from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransportMetadata
@@ -51,8 +53,6 @@ def reach() -> Dict[str, Any]:
     """Where this process reads from: its Ray node and the UUIDs of the GPUs it sees."""
     global _reach
     if _reach is None:
-        import torch
-
         from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
 
         gpus = [device_uuid(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
@@ -96,8 +96,7 @@ def export(tensors, with_specs: bool = True) -> SglangIpcTransportMetadata:
         if meta.cma is None:
             meta.ipc_unavailable = "/proc is not readable here"
     elif device.type == "cuda":
-        exporter = _parts()[0]
-        meta.ipc = exporter.export(tensors, device.index, node_id())
+        meta.ipc = _parts()[0].export(tensors, device.index, node_id())
     else:
         meta.ipc_unavailable = f"tensors on {device.type}"
     return meta

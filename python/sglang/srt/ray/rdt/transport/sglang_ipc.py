@@ -16,6 +16,8 @@ import logging
 import threading
 from typing import Any, List
 
+import torch
+
 from sglang.srt.ray.rdt.transport import compat, nixl_threads, same_node
 from sglang.srt.ray.rdt.transport.cuda_ipc import Targets
 from sglang.srt.ray.rdt.transport.metadata import (
@@ -81,8 +83,6 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
 
     def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata,
                               target_buffers=None):
-        import torch
-
         meta = tensor_transport_metadata
         assert isinstance(meta, SglangIpcTransportMetadata), type(meta)
         if not meta.tensor_meta:
@@ -128,8 +128,6 @@ _register_lock = threading.Lock()  # registration with Ray, once per process
 def register() -> str:
     """Register the transport in this process (idempotent); returns its name. Call
     it before creating the actors, and in every actor that puts or gets with it."""
-    import torch
-
     if compat.transport_registered(TRANSPORT_NAME):
         return TRANSPORT_NAME
     with _register_lock:

@@ -18,7 +18,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -33,6 +33,11 @@ sys.path.insert(0, str(HERE))
 os.environ["RAY_AUTH_MODE"] = "token"
 
 from tiny_model import build_tiny_model  # noqa: E402
+from waiting import wait_until  # noqa: E402,F401  (re-exported for the tests)
+
+from sglang.srt.ray.rdt.engine.plan import TensorSpec  # noqa: E402
+from sglang.srt.ray.rdt.engine.update_state import Writer  # noqa: E402
+from sglang.srt.ray.rdt.transport.metadata import ReadResult  # noqa: E402
 
 from ray_harness import (  # noqa: E402,F401  (re-exported for the tests)
     CPU_SERVER_ARGS,
@@ -112,6 +117,37 @@ def toy_rank(ray_client):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+# --------------------------------------------------------------------------- #
+# A pull source in this process (what a lane or a ref source is to a rank)
+# --------------------------------------------------------------------------- #
+TRAINER = Writer("process:a", "trainer process A")
+
+
+class MemorySource:
+    """A source whose tensors live in this process. ``fail_at``: raise after
+    that many tensors landed (a sender that went away mid-read);
+    ``threads``: the thread of every read, in order."""
+
+    def __init__(self, tensors, writer=TRAINER, fail_at=None):
+        self.tensors, self._writer, self.fail_at = list(tensors), writer, fail_at
+        self.threads = []
+
+    def specs(self, timeout_s):
+        return [TensorSpec(tuple(t.shape), t.dtype) for t in self.tensors]
+
+    def writer(self):
+        return self._writer
+
+    def read(self, targets, device, timeout_s, copy=True):
+        self.threads.append(threading.get_ident())
+        for i, (dst, src) in enumerate(zip(targets.tensors, self.tensors)):
+            if i == self.fail_at:
+                raise ConnectionError("the sender went away")
+            if copy:
+                dst.copy_(src)
+        return ReadResult("memory", len(self.tensors), int(targets.nbytes.sum()), 0.0)
 
 
 # --------------------------------------------------------------------------- #
@@ -241,17 +277,6 @@ def live_placement_groups(ray_mod):
         pg for pg in ray_mod.util.placement_group_table().values()
         if pg["state"] != "REMOVED"
     ]
-
-
-def wait_until(pred, timeout: float, interval: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 # --------------------------------------------------------------------------- #

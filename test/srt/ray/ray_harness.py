@@ -121,9 +121,6 @@ class RayHead:
             address=f"127.0.0.1:{port}", temp_dir=temp_dir, token=secrets.token_hex(32),
             namespace=namespace, num_cpus=num_cpus,
         )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        env.update(head.env)
-        env.pop("RAY_ADDRESS")
         cmd = [
             str(Path(sys.executable).parent / "ray"), "start", "--head",
             "--node-ip-address=127.0.0.1", f"--port={port}",
@@ -136,24 +133,13 @@ class RayHead:
             f"--dashboard-agent-listen-port={free_port()}",
             f"--dashboard-port={free_port()}",
         ]
-        head._starting = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        head._starting = _ray_start(cmd, head)
         return head
 
     def wait(self, timeout: float = 120) -> "RayHead":
         proc, self._starting = self._starting, None
-        if proc is None:
-            return self
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            self.stop()
-            raise TimeoutError(f"`ray start --head` did not finish within {timeout:.0f} s")
-        if proc.returncode != 0:
-            self.stop()
-            raise RuntimeError(f"ray start failed:\n{out}")
+        if proc is not None:
+            _finish_ray_start(proc, "--head", timeout, self.stop)
         return self
 
     def stop(self) -> None:
@@ -195,9 +181,6 @@ class RayWorkerNode:
     ) -> "RayWorkerNode":
         temp_dir = tempfile.mkdtemp(prefix="rtw_", dir="/tmp")
         node = cls(head=head, node_ip=node_ip, temp_dir=temp_dir, num_cpus=num_cpus)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        env.update(head.env)
-        env.pop("RAY_ADDRESS")
         cmd = [
             str(Path(sys.executable).parent / "ray"), "start", f"--address={head.address}",
             f"--node-ip-address={node_ip}", f"--num-cpus={num_cpus}", "--num-gpus=0",
@@ -208,15 +191,8 @@ class RayWorkerNode:
             f"--dashboard-agent-listen-port={free_port()}",
             f"--dashboard-agent-grpc-port={free_port()}",
         ]
-        try:
-            # Returns once the raylet is up and registered with the head.
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            node.stop()
-            raise TimeoutError(f"`ray start --address` did not finish within {timeout:.0f} s")
-        if proc.returncode != 0:
-            node.stop()
-            raise RuntimeError(f"ray start (worker node) failed:\n{proc.stdout}\n{proc.stderr}")
+        # Returns once the raylet is up and registered with the head.
+        _finish_ray_start(_ray_start(cmd, head), "--address", timeout, node.stop)
         return node
 
     def processes(self) -> List[psutil.Process]:
@@ -225,6 +201,29 @@ class RayWorkerNode:
     def stop(self) -> None:
         stop_processes(self.processes())
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _ray_start(cmd: List[str], head: RayHead) -> subprocess.Popen:
+    """Run ``ray start`` ``cmd`` in the background, with this environment less
+    any ``RAY_*`` setting, joining ``head`` (whose address is on ``cmd``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(head.env)
+    env.pop("RAY_ADDRESS")
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish_ray_start(proc: subprocess.Popen, how: str, timeout: float, stop: Callable[[], None]) -> None:
+    """Wait for ``ray start {how}`` to return; if it does not, or fails,
+    ``stop()`` what it started and raise, with its output."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stop()
+        raise TimeoutError(f"`ray start {how}` did not finish within {timeout:.0f} s")
+    if proc.returncode != 0:
+        stop()
+        raise RuntimeError(f"`ray start {how}` failed:\n{out}")
 
 
 def start_ray_head(num_cpus: int = 8, namespace: str = "sglang-test") -> RayHead:

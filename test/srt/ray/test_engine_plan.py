@@ -10,6 +10,8 @@ import types
 import pytest
 import torch
 
+from conftest import MemorySource
+
 from sglang.srt.managers.weight_listeners import (
     add_weight_listener,
     notify_weights_released,
@@ -28,9 +30,7 @@ from sglang.srt.ray.rdt.engine.plan import (
 from sglang.srt.ray.rdt.engine.receiver import GC_HOLDER, RdtWeightReceiver
 from sglang.srt.ray.rdt.engine.registration import RegistrationBook, expandable_segment_tensors
 from sglang.srt.ray.rdt.engine.sources import sources_of
-from sglang.srt.ray.rdt.engine.update_state import Writer
 from sglang.srt.ray.rdt.transport import nixl_threads
-from sglang.srt.ray.rdt.transport.metadata import ReadResult
 
 
 class FakeScheduler(types.SimpleNamespace):
@@ -239,33 +239,6 @@ def test_the_plan_cache_is_bounded(monkeypatch):
 # --------------------------------------------------------------------------- #
 # The receiver's pull around the plan (in-memory sources)
 # --------------------------------------------------------------------------- #
-TRAINER = Writer("process:test", "trainer process (test)")
-
-
-class MemorySource:
-    """A source holding its tensors in this process (what a lane or a ref
-    source is to the receiver); ``fail_at``: raise after that many tensors
-    landed."""
-
-    def __init__(self, tensors, fail_at=None):
-        self.tensors, self.fail_at, self.reads = list(tensors), fail_at, 0
-
-    def specs(self, timeout_s):
-        return [TensorSpec(tuple(t.shape), t.dtype) for t in self.tensors]
-
-    def writer(self):
-        return TRAINER
-
-    def read(self, targets, device, timeout_s, copy=True):
-        self.reads += 1
-        for i, (dst, src) in enumerate(zip(targets.tensors, self.tensors)):
-            if i == self.fail_at:
-                raise ConnectionError("the sender went away")
-            if copy:
-                dst.copy_(src)
-        return ReadResult("memory", len(self.tensors), int(targets.nbytes.sum()), 0.0)
-
-
 @pytest.fixture
 def receiver():
     """A receiver over a Linear(4, 2); the collector is let go afterwards
@@ -322,7 +295,7 @@ def test_prepare_plans_and_writes_nothing(receiver):
     before = receiver.model.weight.detach().clone()
     src = MemorySource([torch.full((2, 4), 9.0)])
     out = receiver.prepare([src], ["weight"])
-    assert out["tensors"] == 1 and out["plan_reused"] is False and src.reads == 1
+    assert out["tensors"] == 1 and out["plan_reused"] is False and len(src.threads) == 1
     assert torch.equal(receiver.model.weight, before)
     assert receiver.state.status()["update_open"] is False  # nothing was admitted
     assert receiver.pull([src], ["weight"])["plan_reused"] is True

@@ -39,8 +39,14 @@ class StandInTokenizerManager:
         return types.SimpleNamespace(success=True)
 
 
-def run(coro):
-    return asyncio.run(coro)
+def run(main, **stand_in):
+    """``main(tm, session)``: a session over a fresh stand-in tokenizer manager."""
+
+    async def go():
+        tm = StandInTokenizerManager(**stand_in)
+        await main(tm, WeightSyncSession(tm, lambda: []))
+
+    asyncio.run(go())
 
 
 async def reader_can_enter(lock: RWLock, within: float = 0.2) -> bool:
@@ -53,9 +59,7 @@ async def reader_can_enter(lock: RWLock, within: float = 0.2) -> bool:
 
 
 def test_begin_waits_for_in_flight_requests_and_holds_new_ones():
-    async def main():
-        tm = StandInTokenizerManager()
-        session = WeightSyncSession(tm, lambda: [])
+    async def main(tm, session):
         await tm.model_update_lock.acquire_reader()  # a request in flight
         begin = asyncio.ensure_future(session.begin(lease_s=60))
         await asyncio.sleep(0.05)
@@ -69,13 +73,11 @@ def test_begin_waits_for_in_flight_requests_and_holds_new_ones():
         assert tm.calls == ["begin", "version v2", "end", "flush"]
         assert await reader_can_enter(tm.model_update_lock)  # serving resumed
 
-    run(main())
+    run(main)
 
 
 def test_a_drain_that_times_out_changes_nothing():
-    async def main():
-        tm = StandInTokenizerManager()
-        session = WeightSyncSession(tm, lambda: [])
+    async def main(tm, session):
         await tm.model_update_lock.acquire_reader()
         with pytest.raises(WeightSyncSessionError, match="did not finish within 0 s; nothing was changed"):
             await session.begin(drain_timeout_s=0.05)
@@ -83,13 +85,11 @@ def test_a_drain_that_times_out_changes_nothing():
         await tm.model_update_lock.release_reader()
         assert await reader_can_enter(tm.model_update_lock)
 
-    run(main())
+    run(main)
 
 
 def test_one_session_at_a_time_and_ids_are_checked():
-    async def main():
-        tm = StandInTokenizerManager()
-        session = WeightSyncSession(tm, lambda: [])
+    async def main(tm, session):
         opened = await session.begin(lease_s=60)
         with pytest.raises(WeightSyncSessionError, match="already open"):
             await session.begin()
@@ -100,26 +100,22 @@ def test_one_session_at_a_time_and_ids_are_checked():
             await session.end()
         assert await reader_can_enter(tm.model_update_lock)
 
-    run(main())
+    run(main)
 
 
 def test_a_rank_problem_fails_the_end_after_closing_the_session():
-    async def main():
-        tm = StandInTokenizerManager(end_problem="rank dp0/pp0/tp0: transfer broke mid-way")
-        session = WeightSyncSession(tm, lambda: [])
+    async def main(tm, session):
         await session.begin(lease_s=60)
         with pytest.raises(WeightSyncSessionError, match="transfer broke mid-way"):
             await session.end(weight_version="v3")
         assert not session.status()["update_open"]
         assert await reader_can_enter(tm.model_update_lock)  # not stuck paused
 
-    run(main())
+    run(main, end_problem="rank dp0/pp0/tp0: transfer broke mid-way")
 
 
 def test_a_session_past_its_lease_is_aborted_by_the_engine():
-    async def main():
-        tm = StandInTokenizerManager()
-        session = WeightSyncSession(tm, lambda: [])
+    async def main(tm, session):
         opened = await session.begin(lease_s=0.05)
         for _ in range(200):  # wait on the condition, bounded
             if not session.status()["update_open"]:
@@ -130,7 +126,7 @@ def test_a_session_past_its_lease_is_aborted_by_the_engine():
         with pytest.raises(WeightSyncSessionError, match="no update session is open"):
             await session.end(session_id=opened["session_id"])
 
-    run(main())
+    run(main)
 
 
 # --------------------------------------------------------------------------- #

@@ -110,10 +110,11 @@ class _LiveServer:
     env: dict = {}
 
     @pytest.fixture(scope="class")
-    def server(self, models, ray_head, tmp_path_factory):
-        args = [*NATIVE_ARGS, "--ray-namespace", ray_head.namespace, "--tp-size", str(self.tp_size)]
+    @classmethod
+    def server(cls, models, ray_head, tmp_path_factory):
+        args = [*NATIVE_ARGS, "--ray-namespace", ray_head.namespace, "--tp-size", str(cls.tp_size)]
         server = start_server(
-            models[self.family], ray_head, args, tmp_path_factory.mktemp("logs"), env=self.env
+            models[cls.family], ray_head, args, tmp_path_factory.mktemp("logs"), env=cls.env
         )
         try:
             yield server
@@ -121,9 +122,10 @@ class _LiveServer:
             server.terminate()
 
     @pytest.fixture(scope="class")
-    def client(self, server, ray_client, ray_head):
+    @classmethod
+    def client(cls, server, ray_client, ray_head):
         client = WeightSyncClient.connect(
-            port=server.port, namespace=ray_head.namespace, tp_size=self.tp_size,
+            port=server.port, namespace=ray_head.namespace, tp_size=cls.tp_size,
             bucket_bytes=64 * 1024,
         )
         try:

@@ -15,10 +15,9 @@ import threading
 import pytest
 import torch
 
-from conftest import wait_until
+from conftest import TRAINER, MemorySource, wait_until
 
 from sglang.srt.ray.rdt import gc_pause
-from sglang.srt.ray.rdt.engine.plan import TensorSpec
 from sglang.srt.ray.rdt.engine.rank_sync import NOT_PAUSED, RankStatus, failure_kind
 from sglang.srt.ray.rdt.engine.receiver import GC_HOLDER
 from sglang.srt.ray.rdt.engine.standalone import standalone_rank
@@ -29,34 +28,8 @@ from sglang.srt.ray.rdt.errors import (
     WeightUpdateConflictError,
 )
 from sglang.srt.ray.rdt.transport import same_node
-from sglang.srt.ray.rdt.transport.metadata import ReadResult
 
-TRAINER = Writer("process:a", "trainer process A")
 OTHER = Writer("process:b", "trainer process B")
-
-
-class MemorySource:
-    """A source whose tensors live in this process; ``fail_at``: raise after
-    that many tensors landed (a sender that went away mid-read)."""
-
-    def __init__(self, tensors, writer=TRAINER, fail_at=None):
-        self.tensors, self._writer, self.fail_at = list(tensors), writer, fail_at
-        self.threads = []
-
-    def specs(self, timeout_s):
-        return [TensorSpec(tuple(t.shape), t.dtype) for t in self.tensors]
-
-    def writer(self):
-        return self._writer
-
-    def read(self, targets, device, timeout_s, copy=True):
-        self.threads.append(threading.get_ident())
-        for i, (dst, src) in enumerate(zip(targets.tensors, self.tensors)):
-            if i == self.fail_at:
-                raise ConnectionError("the sender went away")
-            if copy:
-                dst.copy_(src)
-        return ReadResult("memory", len(self.tensors), int(targets.nbytes.sum()), 0.0)
 
 
 def weights(value: float):

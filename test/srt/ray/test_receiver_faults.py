@@ -52,17 +52,24 @@ def _new_weights(seed=1):
     return names, [p.detach().clone() for _, p in m.named_parameters()]
 
 
-def test_valid_pull_is_zero_copy_and_exact(pair):
-    ray, rank, trainer = pair
-    names, new = _new_weights()
+def _pull_in_place(ray, rank, trainer, names, new):
+    """``trainer`` puts ``new``, ``rank`` pulls it: every parameter must
+    hold its new bytes in the storage it had. Returns the pull's stats."""
     ptrs = ray.get(rank.pointers.remote())
-    assert ray.get(rank.register_weight_for_rdt.remote())["registered"] is True
     (ref,) = ray.get(trainer.put.remote(new))
     stats = ray.get(rank.pull_weights.remote([ref], names), timeout=60)
-    assert stats["tensors"] == len(names) and stats["bytes"] == sum(t.nbytes for t in new)
     state = ray.get(rank.state.remote())
     assert all(torch.equal(state[n], t) for n, t in zip(names, new))
     assert ray.get(rank.pointers.remote()) == ptrs
+    return stats
+
+
+def test_valid_pull_is_zero_copy_and_exact(pair):
+    ray, rank, trainer = pair
+    names, new = _new_weights()
+    assert ray.get(rank.register_weight_for_rdt.remote())["registered"] is True
+    stats = _pull_in_place(ray, rank, trainer, names, new)
+    assert stats["tensors"] == len(names) and stats["bytes"] == sum(t.nbytes for t in new)
 
 
 def test_a_parameter_reallocated_at_the_update_end_is_registered_again_before_the_next_pull(pair):
@@ -95,11 +102,7 @@ def test_a_parameter_reallocated_at_the_update_end_is_registered_again_before_th
 def test_pull_before_register_still_works(pair):
     ray, rank, trainer = pair
     names, new = _new_weights(2)
-    (ref,) = ray.get(trainer.put.remote(new))
-    stats = ray.get(rank.pull_weights.remote([ref], names), timeout=60)
-    assert stats["registered"] is False
-    state = ray.get(rank.state.remote())
-    assert all(torch.equal(state[n], t) for n, t in zip(names, new))
+    assert _pull_in_place(ray, rank, trainer, names, new)["registered"] is False
 
 
 BAD_CASES = {
@@ -326,16 +329,11 @@ def ipc_pair(ray_client, toy_rank, ipc_trainer):
 def test_ipc_pull_on_cpu_reads_the_senders_memory_in_place(ipc_pair):
     ray, rank, trainer = ipc_pair
     names, new = _new_weights(11)
-    ptrs = ray.get(rank.pointers.remote())
-    (ref,) = ray.get(trainer.put.remote(new))
-    stats = ray.get(rank.pull_weights.remote([ref], names), timeout=60)
+    stats = _pull_in_place(ray, rank, trainer, names, new)
     assert stats["transport"] == "cma"
     (read,) = stats["reads"]  # read straight into the targets, no ray.get
     assert (read["path"], read["method"], read["reason"]) == ("cma", "process_vm_readv", None)
     assert stats["bytes"] == read["bytes"] == sum(t.nbytes for t in new)
-    state = ray.get(rank.state.remote())
-    assert all(torch.equal(state[n], t) for n, t in zip(names, new))
-    assert ray.get(rank.pointers.remote()) == ptrs
 
 
 def test_ipc_pull_reads_the_senders_memory_as_it_is_at_the_pull(ipc_pair):
@@ -365,13 +363,10 @@ def test_ipc_falls_back_to_nixl_with_the_reason(ipc_pair):
     ray, rank, trainer = ipc_pair
     ray.get(rank.set_env.remote("SGLANG_RDT_CMA", "0"))
     names, new = _new_weights(13)
-    (ref,) = ray.get(trainer.put.remote(new))
-    stats = ray.get(rank.pull_weights.remote([ref], names), timeout=60)
+    stats = _pull_in_place(ray, rank, trainer, names, new)
     assert stats["transport"] == "nixl (SGLANG_RDT_CMA=0)"
     (read,) = stats["reads"]  # the ref's NIXL part, through Ray
     assert (read["path"], read["reason"]) == ("nixl", "SGLANG_RDT_CMA=0")
-    state = ray.get(rank.state.remote())
-    assert all(torch.equal(state[n], t) for n, t in zip(names, new))
 
 
 def test_gc_stays_off_from_the_first_pull_until_the_update_ends(ipc_pair):

@@ -9,6 +9,7 @@ something took, which a loaded machine cannot promise.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import types
@@ -44,18 +45,13 @@ def scheduler_with(q, **attrs):
     return sched
 
 
-# --------------------------------------------------------------------------- #
-# Safe points: work queued from other threads runs on the loop thread
-# --------------------------------------------------------------------------- #
-def test_safe_point_runs_tasks_on_the_loop_thread():
-    q = SafePointQueue()
-    sched = scheduler_with(q)
-    q.loop_started()
+@contextlib.contextmanager
+def loop_running(sched):
+    """A thread that runs ``sched``'s safe-point tasks as the scheduler's
+    loop does (every millisecond) until the block ends; yields the thread."""
     stop = threading.Event()
-    loop_thread = {}
 
     def loop():
-        loop_thread["id"] = threading.get_ident()
         while not stop.is_set():
             run_safe_point_tasks(sched)
             time.sleep(0.001)
@@ -63,12 +59,23 @@ def test_safe_point_runs_tasks_on_the_loop_thread():
     th = threading.Thread(target=loop)
     th.start()
     try:
-        assert q.call(sched, lambda s: threading.get_ident(), 5) == loop_thread["id"]
-        with pytest.raises(KeyError):
-            q.call(sched, lambda s: {}["missing"], 5)
+        yield th
     finally:
         stop.set()
-        th.join()
+        th.join(10)
+
+
+# --------------------------------------------------------------------------- #
+# Safe points: work queued from other threads runs on the loop thread
+# --------------------------------------------------------------------------- #
+def test_safe_point_runs_tasks_on_the_loop_thread():
+    q = SafePointQueue()
+    sched = scheduler_with(q)
+    q.loop_started()
+    with loop_running(sched) as th:
+        assert q.call(sched, lambda s: threading.get_ident(), 5) == th.ident
+        with pytest.raises(KeyError):
+            q.call(sched, lambda s: {}["missing"], 5)
     q.loop_stopped()
     with pytest.raises(EventLoopNotRunning, match="engine shut down"):
         q.call(sched, lambda s: 1, 1)
@@ -158,22 +165,10 @@ def test_a_task_that_calls_the_safe_point_again_runs_that_call_in_place():
     q = SafePointQueue()
     sched = scheduler_with(q)
     q.loop_started()
-    stop = threading.Event()
-
-    def loop():
-        while not stop.is_set():
-            run_safe_point_tasks(sched)
-            time.sleep(0.001)
-
-    th = threading.Thread(target=loop)
-    th.start()
-    try:
+    with loop_running(sched) as th:
         # Queueing the inner call would wait for the task that queues it.
         nested = q.call(sched, lambda s: (threading.get_ident(), q.call(
             s, lambda s2: (threading.get_ident(), s2 is s), 30)), 30)
-    finally:
-        stop.set()
-        th.join(10)
     assert nested == (th.ident, (th.ident, True))
 
 

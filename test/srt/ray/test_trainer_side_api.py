@@ -52,7 +52,7 @@ from sglang.srt.runtime_context import (
 )
 from sglang.srt.server_args import ServerArgs
 
-from tiny_model import build_tiny_model, random_state_dict
+from tiny_model import build_tiny_model, random_state_dict, tiny_config
 
 # One rank's JSON as served at GET /parallelism_config?rank=R (tp 2, rank 1).
 RANK_JSON = {
@@ -75,19 +75,6 @@ PARALLEL_NAMES = (
     "node_rank", "nnodes", "launch_world_rank", "launch_world_size",
     "tp_group", "pp_group", "attn_tp_group", "moe_ep_group", "world_group",
 )  # fmt: skip
-
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
-
 
 def rank_cfg(tp_rank: int, tp_size: int, **more) -> RankParallelismConfig:
     return RankParallelismConfig.from_dict(dict(tp_rank=tp_rank, tp_size=tp_size, **more))
@@ -117,27 +104,13 @@ def _own_runtime_context():
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
+    """The Llama with weights and a tokenizer; the Qwen3 families as configs only."""
     root = tmp_path_factory.mktemp("trainer_side")
-    llama = build_tiny_model(root / "llama")
-    qwen3 = root / "qwen3"
-    cfg = Qwen3Config(**SMALL, torch_dtype="float32")
-    cfg.architectures = ["Qwen3ForCausalLM"]
-    cfg.save_pretrained(str(qwen3))
-    moe = root / "qwen3_moe"
-    cfg = Qwen3MoeConfig(
-        **SMALL,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        torch_dtype="float32",
-    )
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
-    cfg.save_pretrained(str(moe))
-    return {"llama": llama, "qwen3": qwen3, "qwen3_moe": moe}
+    dirs = {"llama": build_tiny_model(root / "llama")}
+    for family in ("qwen3", "qwen3_moe"):
+        dirs[family] = root / family
+        tiny_config(family, vocab_size=256).save_pretrained(str(dirs[family]))
+    return dirs
 
 
 def engine_server_args(model_dir: Path, **more) -> ServerArgs:

@@ -75,26 +75,28 @@ FAMILIES = {
 }
 
 
+def tiny_config(family: str = "llama", **more):
+    """The ``transformers`` config of a tiny ``family`` model (see FAMILIES),
+    float32, with ``more`` on top."""
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**CONFIG, **extra, "torch_dtype": "float32", **more})
+    config.architectures = [model_cls]
+    return config
+
+
 def build_tiny_model(path, seed: int = 0, family: str = "llama") -> Path:
     """A random ``family`` model (see FAMILIES) + tokenizer at ``path``."""
     import transformers
 
-    config_cls, model_cls, extra = FAMILIES[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(path)
-    config = getattr(transformers, config_cls)(
-        vocab_size=len(tok),
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        torch_dtype="float32",
-        **CONFIG,
-        **extra,
-    )
-    config.architectures = [model_cls]
+    config = tiny_config(family, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config)
+    model = getattr(transformers, FAMILIES[family][1])(config)
     model.save_pretrained(str(path), safe_serialization=True)
     return path
 

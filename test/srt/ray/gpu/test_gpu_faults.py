@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
                 "torch.cuda.is_available() is False here", allow_module_level=True)
 
 import os  # noqa: E402
-import time  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import ray  # noqa: E402
@@ -26,6 +26,8 @@ import ray  # noqa: E402
 from gpu_actors import GpuRank, GpuTrainer, pattern, sha256, weight_names  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE.parent))  # the suite's waiting.py (imports nothing), without its conftest
+from waiting import wait_until  # noqa: E402
 N, NUMEL = 8, 1 << 20  # 8 float32 vectors of 4 MiB: four groups of two on the direct route
 NAMES = weight_names(N)
 
@@ -55,17 +57,6 @@ def expected(seed: int, indices=range(N)):
 
 def status(rank):
     return ray.get(rank.get_weight_sync_status.remote(), timeout=120)
-
-
-def wait_for(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_fresh_tensors_every_update_land_byte_for_byte_over_cuda_ipc(gpu_ray):
@@ -119,8 +110,8 @@ def test_a_trainer_that_dies_mid_update_leaves_no_torn_tensor_and_the_rank_recov
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(first.update.remote(N, NUMEL, 2, "v2", die_after_steps=1), timeout=300)
 
-        st = wait_for(lambda: (lambda s: s if s["failed_updates"] > base["failed_updates"] else None)(
-            status(rank)), 120, "the rank to abort the dead trainer's update")
+        st = wait_until(lambda: (lambda s: s if s["failed_updates"] > base["failed_updates"] else None)(
+            status(rank)), 120, interval=0.1, what="the rank to abort the dead trainer's update")
         assert (st["weights_consistent"], st["update_open"], st["weight_version"]) == (False, False, "v1")
         assert st["inconsistent_reason"] == (f"trainer process {first_pid} (same-node lane) closed its "
                                              "lane before the update it wrote in ended")

@@ -10,13 +10,12 @@ by inclusive samples, the leaf lines by samples (``--lines``) and the
 parent → leaf pairs. Record with ``--gil`` to count only samples that hold
 the GIL, without it to see where threads wait for it.
 
-Example (the GPU run of docs/performance.md, session 10)::
+Example (a GPU profile of the rank's pulls and the client's update)::
 
-    py-spy record --subprocesses --rate 1500 --format raw -o prof.txt -- \\
-        python benchmark/rdt_weight_sync/bench_pull.py --device cuda --same-gpu --paths client \\
-        --client-transports SGLANG_IPC --client-rounds 2 --steady 1 --call-cost 4000 \\
-        --skip-ceiling --workloads model
-    python benchmark/rdt_weight_sync/pyspy_summary.py prof.txt local_lane.py trainer/lane.py --lines
+    py-spy record --subprocesses --rate 1000 --gil --format raw -o prof.txt -- \\
+        python benchmark/rdt_weight_sync/bench_pull.py --device cuda --same-gpu --workloads moe \\
+        --modes fresh --rounds 30 --skip-ceiling --peers ""
+    python benchmark/rdt_weight_sync/pyspy_summary.py prof.txt trainer/update.py receiver.py local_lane.py
 """
 
 from __future__ import annotations

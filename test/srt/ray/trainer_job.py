@@ -24,7 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def main() -> None:
+def job_parser() -> argparse.ArgumentParser:
+    """The arguments every trainer job takes: where the engine is, what to send."""
     p = argparse.ArgumentParser()
     p.add_argument("--address", required=True)
     p.add_argument("--namespace", required=True)
@@ -32,6 +33,11 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--version", default="v1")
+    return p
+
+
+def main() -> None:
+    p = job_parser()
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--buckets", type=int, default=2)
     p.add_argument("--no-session", action="store_true", help="pull without begin/end")

@@ -13,7 +13,6 @@ Prints one ``RESULT {json}`` line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,19 +20,15 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from trainer_job import job_parser  # noqa: E402
+
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--address", required=True)
-    p.add_argument("--namespace", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--model", required=True)
+    p = job_parser()
     # "local": the node this job's driver (and the engine's launcher, started
     # on the same host from the same address) attached to.
     p.add_argument("--rank-node-ips", required=True, help="node IP of dp rank 0, 1, ... or 'local'")
     p.add_argument("--trainer-node-ip", required=True)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--version", default="v1")
     args = p.parse_args()
 
     import ray

@@ -191,22 +191,16 @@ class RankParallelismConfig:
         def width(name: str) -> int:
             return 1 if v[name] is None else v[name]
 
-        tp_size = width("tp_size")
-        tp_rank = v["tp_rank"]
-        if tp_rank is None:
-            if tp_size > 1:
+        def given_rank(axis: str) -> int:
+            size, rank = width(f"{axis}_size"), v[f"{axis}_rank"]
+            if rank is None and size > 1:
                 raise ValueError(
-                    f"RankParallelismConfig: tp_rank is missing but tp_size={tp_size}"
+                    f"RankParallelismConfig: {axis}_rank is missing but {axis}_size={size}"
                 )
-            tp_rank = 0
-        pp_size = width("pp_size")
-        pp_rank = v["pp_rank"]
-        if pp_rank is None:
-            if pp_size > 1:
-                raise ValueError(
-                    f"RankParallelismConfig: pp_rank is missing but pp_size={pp_size}"
-                )
-            pp_rank = 0
+            return 0 if rank is None else rank
+
+        tp_size, tp_rank = width("tp_size"), given_rank("tp")
+        pp_size, pp_rank = width("pp_size"), given_rank("pp")
 
         attn_dp_size, attn_cp_size = width("attn_dp_size"), width("attn_cp_size")
         attn_tp_size = v["attn_tp_size"]
@@ -237,6 +231,11 @@ class RankParallelismConfig:
         def rank_or(name: str, derived: int) -> int:
             return derived if v[name] is None else v[name]
 
+        def block_ranks(prefix: str, middle: str, fast: int, mid: int) -> Dict[str, int]:
+            """Ranks in TP blocks of ``(dp, middle, tp)`` of a sub-layout, its TP fastest."""
+            derived = {"tp": tp_rank % fast, middle: (tp_rank // fast) % mid, "dp": tp_rank // (fast * mid)}
+            return {f"{prefix}_{k}_rank": rank_or(f"{prefix}_{k}_rank", r) for k, r in derived.items()}
+
         out = {
             "tp_rank": tp_rank,
             "tp_size": tp_size,
@@ -246,23 +245,11 @@ class RankParallelismConfig:
             "attn_tp_size": attn_tp_size,
             "attn_dp_size": attn_dp_size,
             "attn_cp_size": attn_cp_size,
-            "attn_tp_rank": rank_or("attn_tp_rank", tp_rank % attn_tp_size),
-            "attn_cp_rank": rank_or(
-                "attn_cp_rank", (tp_rank // attn_tp_size) % attn_cp_size
-            ),
-            "attn_dp_rank": rank_or(
-                "attn_dp_rank", tp_rank // (attn_tp_size * attn_cp_size)
-            ),
+            **block_ranks("attn", "cp", attn_tp_size, attn_cp_size),
             "moe_ep_size": moe_ep_size,
             "moe_tp_size": moe_tp_size,
             "moe_dp_size": moe_dp_size,
-            "moe_tp_rank": rank_or("moe_tp_rank", tp_rank % moe_tp_size),
-            "moe_ep_rank": rank_or(
-                "moe_ep_rank", (tp_rank // moe_tp_size) % moe_ep_size
-            ),
-            "moe_dp_rank": rank_or(
-                "moe_dp_rank", tp_rank // (moe_tp_size * moe_ep_size)
-            ),
+            **block_ranks("moe", "ep", moe_tp_size, moe_ep_size),
             "nnodes": width("nnodes"),
             "node_rank": rank_or("node_rank", 0),
             "world_size": rank_or("world_size", tp_size * pp_size),

@@ -41,7 +41,13 @@ def client_row(name: str, res: Dict[str, Any], ceiling_s: float, bucket_bytes: i
         # or copying its steps, the slowest rank's pulls (summed), ending the update
         "parts_ms": [statistics.median(u.get(k, 0.0) for u in ups[1:] or ups) * 1e3
                      for k in ("fill_seconds", "pull_seconds", "end_seconds")],
+        "timeline_ms": {k: statistics.median(u["timeline"][k] for u in ups[1:] or ups) * 1e3
+                        for k in TIMELINE if all(u.get("timeline") for u in ups)},
     }
+
+
+# The parts of a steady update, in order (trainer.timeline).
+TIMELINE = ("before_send", "to_rank", "pulls", "copy", "gaps", "after")
 
 
 def simple_row(name: str, res: Dict[str, Any], ceiling_s: float) -> Dict[str, Any]:
@@ -127,6 +133,13 @@ def markdown(summary: Dict[str, Any], meta: Dict[str, Any]) -> str:
         if s.get("stream_ceiling"):
             out.append(f"Stream ceiling (the generator + a copy_ loop in-process): "
                        f"{s['stream_ceiling']['seconds'] * 1e3:.1f} ms")
+        timed = [r for r in s["client"] if r["timeline_ms"]]
+        if timed:
+            out.append("")
+            out.append("Where a steady update's time goes (ms; medians): " + " / ".join(TIMELINE))
+            out.append("")
+            for r in timed:
+                out.append(f"- {r['mode']}: " + " / ".join(f"{r['timeline_ms'][k]:.2f}" for k in TIMELINE))
         for k, v in s["errors"].items():
             out.append(f"ERROR {k}: {v}")
         out.append("")

@@ -131,6 +131,7 @@ class BenchTrainer:
         steps = d.pop("buckets")
         return {"seconds": seconds, "peak_extra_bytes": peak, "held_after_bytes": held,
                 "steps": len(steps), "fill_seconds": sum(s["fill_seconds"] for s in steps),
+                "timeline": timeline(t0, t0 + seconds, steps),
                 "pull_seconds": sum(s["pull_seconds"] for s in steps),
                 **{k: d[k] for k in ("path", "transport", "lane_calls", "held_bytes", "begin_seconds",
                                      "end_seconds", "bytes", "tensors")},
@@ -221,6 +222,23 @@ class BenchTrainer:
             del fresh
             out.append({"seconds": seconds, "check": ray.get(rank.verify.remote(seed))})
         return {"updates": out}
+
+
+def timeline(t0: float, t1: float, steps: List[Dict[str, Any]]) -> Dict[str, float]:
+    """Where an update's time went (seconds), from the client's step records
+    (both processes stamp ``time.perf_counter()``, one clock per host): before
+    the first step went out, from sending it to the rank's pull starting, the
+    rank's pulls (and the copies in them), the rank idle between its pulls,
+    and after the last pull ended (answer, land, the update's end)."""
+    ranked = [s for s in steps if s["rank_timing"].get("pull_start")]
+    if not ranked:
+        return {}
+    starts = [s["rank_timing"]["pull_start"] for s in ranked]
+    ends = [s["rank_timing"]["pull_end"] for s in ranked]
+    return {"before_send": ranked[0]["sent_at"] - t0, "to_rank": starts[0] - ranked[0]["sent_at"],
+            "pulls": sum(e - b for b, e in zip(starts, ends)),
+            "copy": sum(s["rank_timing"].get("copy_seconds", 0.0) for s in ranked),
+            "gaps": sum(max(0.0, b - e) for e, b in zip(ends, starts[1:])), "after": t1 - ends[-1]}
 
 
 def _by_bytes(names, tensors, bucket_bytes: int):

@@ -61,6 +61,7 @@ class _Update:
     transports: List[str] = field(default_factory=list)
     writers: Dict[str, Writer] = field(default_factory=dict)  # param name -> writer
     writer_ids: set = field(default_factory=set)  # every writer that landed a pull
+    last_writer: tuple = ()  # (the writer of the last landed pull,)
     rewrites: int = 0
     conflict: Optional[str] = None
     broken: set = field(default_factory=set)  # params of a broken pull not written again
@@ -167,6 +168,7 @@ class RankUpdateState:
                 u.writers.update(dict.fromkeys(names, writer))
                 u.rewrites += len(names) - (len(u.writers) - before)
                 u.writer_ids.add(writer.id)
+                u.last_writer = (writer,)
                 if u.broken:
                     u.broken.difference_update(names)
             u.pulls += 1
@@ -215,7 +217,9 @@ class RankUpdateState:
                 self._consistent, self._reason = True, None
             else:
                 self._mark_inconsistent(problem)
-            writers = sorted({w.label for w in u.writers.values()})
+            # (one writer landed everything, no pull broke: it wrote every name of u.writers)
+            whom = u.writers.values() if len(u.writer_ids) > 1 or u.failed_pulls else u.last_writer
+            writers = sorted({w.label for w in whom})
             summary = {
                 "weight_version": version,
                 "pulls": u.pulls,
@@ -236,8 +240,8 @@ class RankUpdateState:
                 "inconsistent_reason": self._reason,
                 **extra,
             }
-            if names is not None:
-                never = [n for n in names if n not in u.writers]
+            if names is not None:  # (every name written: the writers hold as many names)
+                never = [] if len(u.writers) == len(names) else [n for n in names if n not in u.writers]
                 summary["never_written"] = never[:MAX_LISTED_NAMES]
                 summary["never_written_count"] = len(never)
             self.updates += 1

@@ -13,6 +13,7 @@ group) out in one bucket slot (:func:`slot_layout`).
 from __future__ import annotations
 
 import itertools
+from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple
 
@@ -105,6 +106,7 @@ class Group:
     tensors: List[torch.Tensor] = field(default_factory=list)
     shapes: List[torch.Size] = field(default_factory=list)
     dtypes: List[torch.dtype] = field(default_factory=list)
+    sizes: List[int] = field(default_factory=list)  # each tensor's bytes
     nbytes: int = 0
     layout: int = -1  # its layout id (LayoutBook)
 
@@ -112,12 +114,20 @@ class Group:
         return [(tuple(s), d) for s, d in zip(self.shapes, self.dtypes)]
 
 
-def cut(items: Iterable[Tuple[str, torch.Tensor]], group_bytes: int) -> Iterator[Group]:
-    """Cut ``(name, tensor)`` pairs, in order, into groups of at most
-    ``group_bytes`` (a larger tensor gets a group of its own), each handed
-    out as soon as it is complete; each tensor is checked as it passes."""
+_NBYTES, _SHAPE, _DTYPE = attrgetter("nbytes"), attrgetter("shape"), attrgetter("dtype")
+
+
+def cut(items, group_bytes: int) -> Iterator[Group]:
+    """Cut ``(name, tensor)`` pairs (or a mapping's), in order, into groups
+    of at most ``group_bytes`` (a larger tensor gets a group of its own),
+    each handed out as soon as it is complete; each tensor is checked as it
+    passes. A mapping's tensors are looked at all at once (thousands of MoE
+    experts cost a few C-level passes, not a Python step each)."""
     if group_bytes <= 0:
         raise ValueError(f"group_bytes must be positive, got {group_bytes}")
+    if isinstance(items, Mapping):
+        yield from _cut_all(list(items), list(items.values()), group_bytes)
+        return
     current = Group(0)
     for name, t in items:
         if type(t) is not torch.Tensor or t.requires_grad:
@@ -130,6 +140,7 @@ def cut(items: Iterable[Tuple[str, torch.Tensor]], group_bytes: int) -> Iterator
         current.tensors.append(t)
         current.shapes.append(t.shape)
         current.dtypes.append(t.dtype)
+        current.sizes.append(n)
         current.nbytes += n
     if current.names:
         yield current
@@ -137,12 +148,28 @@ def cut(items: Iterable[Tuple[str, torch.Tensor]], group_bytes: int) -> Iterator
         raise WeightSyncError("empty update: no tensors were given")
 
 
+def _cut_all(names: List[str], tensors: List[torch.Tensor], group_bytes: int) -> Iterator[Group]:
+    if not names:
+        raise WeightSyncError("empty update: no tensors were given")
+    if set(map(type, tensors)) != {torch.Tensor}:  # (a tensor's autograd state does not matter here)
+        tensors = [_checked(n, t) for n, t in zip(names, tensors)]
+    sizes = list(map(_NBYTES, tensors))
+    shapes, dtypes = list(map(_SHAPE, tensors)), list(map(_DTYPE, tensors))
+    start, total, index = 0, 0, 0
+    for i, n in enumerate(sizes + [group_bytes + 1]):  # (the sentinel ends the last group)
+        if i > start and total + n > group_bytes:
+            yield Group(index, names[start:i], tensors[start:i], shapes[start:i], dtypes[start:i],
+                        sizes[start:i], total)
+            start, total, index = i, 0, index + 1
+        total += n
+
+
 def steps(payloads, rank_groups, group_bytes: int) -> Iterator[List[Tuple[int, Group]]]:
     """Step ``k``: group ``k`` of every rank group, ``[(rank group, group)]``;
     the rank groups share ``group_bytes`` (a step fills one bucket slot).
     Nothing here holds a step once the next one is asked for."""
     share = max(ALIGN, group_bytes // len(rank_groups))
-    cuts = [cut(p.items() if isinstance(p, Mapping) else p, share) for p in payloads]
+    cuts = [cut(p, share) for p in payloads]
     live = list(range(len(cuts)))
     while live:
         step = []

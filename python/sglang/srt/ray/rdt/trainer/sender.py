@@ -106,6 +106,7 @@ class BucketSender:
                 n += 1
         return n
 
+    @torch.no_grad()
     def fill(self, slot: int, token: str, offsets: Sequence[Sequence[int]],
              tensors: Sequence[Sequence[torch.Tensor]], ref_transport: Optional[str],
              local: bool) -> List[Tuple[Any, Any]]:

@@ -20,6 +20,12 @@ class BucketStats:
     pull_seconds: float  # the slowest rank's own pull time (plan + transfer)
     gbps: float  # bytes / pull_seconds
     rank_seconds: List[float] = field(default_factory=list)
+    # When (time.perf_counter(): one clock for every process of a Linux host)
+    # the pulls were sent and the last answer came, and the slowest rank's
+    # pull_start, pull_end and copy_seconds: where a step's time went.
+    sent_at: float = 0.0
+    answered_at: float = 0.0
+    rank_timing: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -46,6 +46,7 @@ class Flight:
     step: List[Tuple[int, buckets.Group]]
     calls: List[Tuple[int, Any]]  # (rank, ObjectRef or LaneCall)
     fill_seconds: float
+    sent_at: float = 0.0
     slot: Optional[int] = None  # buckets: the slot the ranks read
     token: str = ""
     held_bytes: int = 0  # direct: the trainer's bytes the ranks read in place
@@ -170,6 +171,7 @@ class Update:
                     call = c.ranks[r].actor.pull_weights.remote([ref], group.names, timeout)
                 flight.calls.append((r, call))
             self.sent[rg].update(group.names)
+        flight.sent_at = time.perf_counter()
         return flight
 
     def _describe(self, index: int, step) -> Flight:
@@ -181,7 +183,7 @@ class Update:
             # queued work on them is done before a rank reads (a mapping: all
             # made before the call; an iterator: made as it is consumed)
             torch.cuda.synchronize(device)
-        sources = [(None, same_node.export(g.tensors, with_specs=False)) for _, g in step]
+        sources = [(None, same_node.export(g.tensors, with_specs=False, nbytes=g.sizes)) for _, g in step]
         held = sum(g.nbytes for _, g in step)
         self.held += held
         self.max_held = max(self.max_held, self.held)
@@ -212,6 +214,7 @@ class Update:
         except BaseException:
             self.flights.appendleft(flight)  # settled (and its slot freed) with the others
             raise
+        answered_at = time.perf_counter()
         for r, call in flight.calls:
             if isinstance(call, LaneCall):
                 c.lanes.defined(r, call)
@@ -232,7 +235,11 @@ class Update:
         stats = BucketStats(index=flight.index, tensors=ntensors, bytes=nbytes, ranks=len(flight.calls),
                             fill_seconds=flight.fill_seconds, pull_seconds=slowest,
                             gbps=nbytes / slowest / 1e9 if slowest > 0 else 0.0,
-                            rank_seconds=rank_seconds)
+                            rank_seconds=rank_seconds, sent_at=flight.sent_at, answered_at=answered_at)
+        if flight.calls:
+            res = results[max(flight.calls, key=lambda c: results[c[0]].get("seconds", 0.0))[0]]
+            stats.rank_timing = {**(res.get("timing") or {}),
+                                 "copy_seconds": sum(r.get("copy_seconds", 0.0) for r in res.get("reads", ()))}
         flight.step = []  # the trainer's tensors (direct) are let go here
         self.steps_done.append(stats)
         if self.progress is not None:
@@ -310,11 +317,12 @@ def group_bytes_for(route, payloads, bucket_bytes: int, stream: bool) -> int:
 def _in_place(group: buckets.Group, device: torch.device) -> None:
     """``group``'s tensors as the ranks can read them where they are:
     contiguous (a copy of a tensor that is not), on the client's device."""
+    tensors = group.tensors
     index = device.index if device.type == "cuda" else -1  # get_device(): -1 on the CPU
-    for i, t in enumerate(group.tensors):
-        if t.get_device() != index:
-            raise WeightSyncError(
-                f"{group.names[i]!r} is on {t.device}, the client's device is {device}: build the "
-                f"client with device={str(t.device)!r}, or export='buckets' to copy it")
-        if not t.is_contiguous():
-            group.tensors[i] = t.contiguous()
+    if any(d != index for d in map(torch.Tensor.get_device, tensors)):
+        t, name = next((t, n) for t, n in zip(tensors, group.names) if t.get_device() != index)
+        raise WeightSyncError(
+            f"{name!r} is on {t.device}, the client's device is {device}: build the "
+            f"client with device={str(t.device)!r}, or export='buckets' to copy it")
+    if not all(map(torch.Tensor.is_contiguous, tensors)):
+        group.tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]

@@ -346,12 +346,13 @@ def copy_tensors(dst, src) -> None:
     import numpy as np
     import torch
 
+    from sglang.srt.ray.rdt.transport.metadata import addresses
+
     if not dst:
         return
     device = dst[0].device
-    table = chunk_table(np.fromiter((t.data_ptr() for t in dst), np.int64, len(dst)),
-                        np.fromiter((t.data_ptr() for t in src), np.int64, len(src)),
-                        np.fromiter((t.nbytes for t in dst), np.int64, len(dst)))
+    dst_ptrs, nbytes = addresses(dst)
+    table = chunk_table(dst_ptrs, addresses(src)[0], nbytes)
     table = torch.from_numpy(table.view(np.int64)).to(device)
     stream = torch.cuda.current_stream(device)
     copy_kernel(device.index).launch(table.data_ptr(), table.numel() // 3, stream.cuda_stream)

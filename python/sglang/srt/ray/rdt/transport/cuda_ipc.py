@@ -32,7 +32,7 @@ import torch
 from sglang.srt.ray.rdt.transport import cuda_driver
 from sglang.srt.ray.rdt.transport.cma import pid_alive
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, device_uuid, local_ordinal_of
-from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, part_bytes
+from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, addresses, part_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,7 @@ class Targets:
     @classmethod
     def of(cls, tensors) -> "Targets":
         tensors = list(tensors)
-        ptrs = np.fromiter((t.data_ptr() for t in tensors), np.int64, len(tensors))
-        nbytes = np.fromiter((t.nbytes for t in tensors), np.int64, len(tensors))
-        return cls(tensors, ptrs, nbytes)
+        return cls(tensors, *addresses(tensors))
 
     def check(self, nbytes: np.ndarray) -> None:
         """Raise before any byte moves unless the source's sizes fit exactly."""
@@ -111,11 +109,10 @@ class CudaIpcExporter:
         self._known: Dict[int, _KnownSegments] = {}
         self._lock = threading.Lock()  # guards the known segments
 
-    def export(self, tensors, ordinal: int, node_id: str) -> IpcPart:
-        """An :class:`IpcPart` of ``tensors`` (contiguous, all on GPU ``ordinal``)."""
-        n = len(tensors)
-        ptrs = np.fromiter((t.data_ptr() for t in tensors), np.int64, n)
-        nbytes = np.fromiter((t.nbytes for t in tensors), np.int64, n)
+    def export(self, tensors, ordinal: int, node_id: str, nbytes=None) -> IpcPart:
+        """An :class:`IpcPart` of ``tensors`` (contiguous, all on GPU
+        ``ordinal``; ``nbytes``: their sizes, when known)."""
+        ptrs, nbytes = addresses(tensors, nbytes)
         drv = cuda_driver.driver()
         with self._lock:
             known = self._known.setdefault(ordinal, _KnownSegments())

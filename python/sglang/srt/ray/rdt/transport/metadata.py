@@ -9,6 +9,7 @@ Per-tensor fields are numpy arrays: thousands of tensors cost one buffer each.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import methodcaller
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -89,6 +90,14 @@ class ReadResult:
 
 class MappingFailed(RuntimeError):
     """A same-node read was refused before any byte moved (NIXL may still serve it)."""
+
+
+def addresses(tensors, nbytes=None) -> Tuple[np.ndarray, np.ndarray]:
+    """``tensors``' data addresses and sizes (``nbytes``: the sizes, when known)."""
+    ptrs = np.fromiter(map(methodcaller("data_ptr"), tensors), np.int64, len(tensors))
+    if nbytes is None:
+        nbytes = [t.nbytes for t in tensors]
+    return ptrs, np.array(nbytes, np.int64)
 
 
 def part_bytes(nbytes: np.ndarray) -> int:

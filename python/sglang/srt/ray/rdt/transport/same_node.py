@@ -81,10 +81,11 @@ def set_keeper(ordinal: int, holds: Optional[Callable[[int], bool]]) -> None:
         _exporter.forget_kept(ordinal)
 
 
-def export(tensors, with_specs: bool = True) -> SglangIpcTransportMetadata:
+def export(tensors, with_specs: bool = True, nbytes=None) -> SglangIpcTransportMetadata:
     """Describe ``tensors`` (contiguous, on one device; ``with_specs=False``:
-    without shapes and dtypes) for a same-node reader. The caller makes sure
-    queued work on them is done before anyone reads them."""
+    without shapes and dtypes; ``nbytes``: their sizes, when the caller knows
+    them) for a same-node reader. The caller makes sure queued work on them is
+    done before anyone reads them."""
     meta = SglangIpcTransportMetadata(
         tensor_meta=[(tuple(t.shape), t.dtype) for t in tensors] if with_specs else [],
         tensor_device=tensors[0].device.type if tensors else None)
@@ -92,11 +93,11 @@ def export(tensors, with_specs: bool = True) -> SglangIpcTransportMetadata:
         return meta
     device = tensors[0].device
     if device.type == "cpu":
-        meta.cma = export_cma(tensors, _TOKEN, node_id())
+        meta.cma = export_cma(tensors, _TOKEN, node_id(), nbytes)
         if meta.cma is None:
             meta.ipc_unavailable = "/proc is not readable here"
     elif device.type == "cuda":
-        meta.ipc = _parts()[0].export(tensors, device.index, node_id())
+        meta.ipc = _parts()[0].export(tensors, device.index, node_id(), nbytes)
     else:
         meta.ipc_unavailable = f"tensors on {device.type}"
     return meta

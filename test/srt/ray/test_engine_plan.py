@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from conftest import MemorySource
+from conftest import MemorySource, wait_until
 
 from sglang.srt.managers.weight_listeners import (
     add_weight_listener,
@@ -368,7 +368,6 @@ def test_sglangs_own_weight_loads_make_the_rank_walk_the_model_again():
     the next pull): the load's post-load processing may have replaced
     parameter objects, which no check of the old objects can see."""
     import threading
-    import time
 
     from sglang.srt.managers.scheduler_components.weight_updater import (
         SchedulerWeightUpdaterManager,
@@ -388,10 +387,8 @@ def test_sglangs_own_weight_loads_make_the_rank_walk_the_model_again():
         updater.scheduler, updater.metrics_collector = scheduler, None
         with updater._observe_weight_load("disk"):
             model.weight = torch.nn.Parameter(torch.zeros(2, 4))  # what post-load may do
-        deadline = time.monotonic() + 10
-        while len(walks) < 2 or sync.receiver.needs_refresh():
-            assert time.monotonic() < deadline, walks
-            time.sleep(0.005)
+        wait_until(lambda: len(walks) >= 2 and not sync.receiver.needs_refresh(), 10, 0.005,
+                   "the walk posted after the load")
         assert walks[1] == sync.loop._thread.ident
         assert sync.receiver._plans.params["weight"] is model.weight
     finally:

@@ -194,6 +194,46 @@ def test_a_layout_is_defined_once_per_connection_and_later_pulls_name_it(rank):
         lanes.close()
 
 
+def test_the_next_pull_is_read_and_queued_while_one_waits_and_a_finalize_waits_for_both(rank):
+    """Two pulls sent back to back on one connection: the lane reads the
+    second and queues it at the scheduler's safe point while the first still
+    waits there (the rank then copies them back to back); a finalize sent
+    after them is read but answered only after both, and ends an update of both."""
+    model = rank.model
+    items = list(new_weights(model, 21).items())
+    halves = [dict(items[:2]), dict(items[2:])]
+    _, link = open_link(rank)
+    lanes = Lanes()
+    lanes.links[0] = link
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():  # the scheduler's thread, busy until released
+        holding.set()
+        release.wait(60)
+
+    held = threading.Thread(target=rank.on_scheduler, args=(hold,))
+    held.start()
+    try:
+        assert holding.wait(30)
+        calls = []
+        for layout, half in enumerate(halves, 1):
+            g = group_of(half, layout=layout)
+            calls.append(lanes.pull(0, g, same_node.export(g.tensors, with_specs=False), 10.0))
+        done = link.send("finalize", {"weight_version": "both"})
+        # hello, both pulls and the finalize read; nothing has run yet
+        wait_until(lambda: rank.lane.status()["calls"] == 4, 30, 0.01, "the lane to read every request")
+        assert rank.state.status()["pulls"] == 0 and not rank.state.status()["update_open"]
+        release.set()
+        assert [c.result(30)["tensors"] for c in calls] == [2, 2]
+        out = done.result(30)
+        assert (out["weight_version"], out["update"]["pulls"], out["update"]["consistent"]) == ("both", 2, True)
+        assert all(torch.equal(p, dict(items)[n]) for n, p in model.named_parameters())
+    finally:
+        release.set()
+        held.join(30)
+        lanes.close()
+
+
 def test_a_trainer_that_leaves_mid_update_leaves_the_rank_inconsistent_until_a_whole_update(rank):
     """A trainer process whose lane closes after it wrote part of an update
     (killed, or gone before it ended the update): under a plain pause nobody

@@ -9,6 +9,13 @@ checks and records as ``pull_weights``; ``finalize`` and ``abort`` come the
 same way. A layout (names, shapes, dtypes) is sent once per connection with
 an id; later requests name the id and carry only where the bytes are.
 
+Threads: one serves the socket (reads every request, answers all but pulls);
+a pull is handed to one of :data:`PULL_WORKERS` threads that waits for the
+scheduler to run it and answers it, so the next pull is read and queued at
+the scheduler's safe point while this one copies (back to back, no round
+trip between them). Anything else on a connection, and its end, waits for
+that connection's pulls first.
+
 Who may call: the socket lives in a fresh 0700 directory, and every request
 carries the lane's 16-byte secret, checked before the request is unpickled.
 The secret is handed out only by the actor call ``open_weight_sync_lane``
@@ -28,7 +35,9 @@ import shutil
 import socket
 import tempfile
 import threading
-from typing import Any, Dict, Optional
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from typing import Any, Dict, List, Optional
 
 from sglang.srt.ray.rdt.engine.plan import TensorSpec
 from sglang.srt.ray.rdt.engine.sources import LocalSource
@@ -46,6 +55,8 @@ POLL_MS = 200
 DIR_PREFIX = "sglang-rdt-lane-"
 # Layouts one connection may define (a model's groups, each update the same).
 MAX_LAYOUTS = 4096
+# Threads that wait for pulls (a trainer keeps at most two in flight per rank).
+PULL_WORKERS = 2
 
 
 def remove_dead_lanes(base: str) -> int:
@@ -72,12 +83,19 @@ def remove_dead_lanes(base: str) -> int:
 
 
 class _Connection:
-    """One trainer's connection: who it is and the layouts it defined."""
+    """One trainer's connection: who it is, the layouts it defined, its pulls in flight."""
 
     def __init__(self):
         self.writer: Optional[Writer] = None
         self.sender: Optional[str] = None
         self.layouts: Dict[int, tuple] = {}  # id -> (names, specs, plan key)
+        self.pulls: List[Future] = []  # answered by a worker once done (serving thread only)
+        self.send_lock = threading.Lock()  # guards writing answers to the socket
+
+    def settle(self) -> None:
+        """Wait for the pulls in flight: what comes next is ordered after them."""
+        futures_wait(self.pulls)
+        self.pulls.clear()
 
 
 class RankLane:
@@ -96,6 +114,9 @@ class RankLane:
         self._stop = threading.Event()
         self._defined = 0  # layouts defined on any connection (serving thread only)
         self.calls = 0
+        # Pulls wait for the scheduler here, so the serving thread reads the
+        # next request meanwhile and the rank copies it right after this one.
+        self._workers = ThreadPoolExecutor(max_workers=PULL_WORKERS, thread_name_prefix="rdt-lane-pull")
 
     # -- the actor side ------------------------------------------------------ #
     def open(self, sender: str, pid: int = 0) -> Dict[str, Any]:
@@ -138,6 +159,7 @@ class RankLane:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2 * POLL_MS / 1000 + 1)
+        self._workers.shutdown(wait=False)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -154,6 +176,7 @@ class RankLane:
                         sel.register(conn, selectors.EVENT_READ, _Connection())
                     elif not self._serve_one(key.fileobj, key.data):
                         sel.unregister(key.fileobj)
+                        key.data.settle()  # (its last answers may find the socket closed)
                         key.fileobj.close()
                         writer = key.data.writer
                         if (writer is not None and not self._stop.is_set()
@@ -181,12 +204,27 @@ class RankLane:
             reply = ("error", "wrong lane secret")  # nothing was unpickled
         else:
             reply = self._handle(conn, body[SECRET_BYTES + ID_BYTES:])
+        if callable(reply):  # a pull: a worker answers it once done
+            conn.pulls = [f for f in conn.pulls if not f.done()]
+            conn.pulls.append(self._workers.submit(self._answer_later, sock, conn, req_id, reply))
+            return True
+        return self._answer(sock, conn, req_id, reply)
+
+    def _answer_later(self, sock, conn: _Connection, req_id: bytes, pull) -> None:
+        try:
+            reply = ("ok", pull())
+        except BaseException as e:
+            reply = ("raise", e)
+        self._answer(sock, conn, req_id, reply)
+
+    def _answer(self, sock, conn: _Connection, req_id: bytes, reply) -> bool:
         try:
             data = pickle.dumps(reply)
         except Exception as e:  # an unpicklable result or exception
             data = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
         try:
-            send_frame(sock, req_id, data)
+            with conn.send_lock:
+                send_frame(sock, req_id, data)
         except OSError:
             return False
         if self._after_reply is not None:
@@ -197,9 +235,12 @@ class RankLane:
         return True
 
     def _handle(self, conn: _Connection, payload: bytes):
+        """The answer to a request, or (a pull) what a worker runs to answer it."""
         try:
             op, kw = pickle.loads(payload)
             self.calls += 1
+            if op != "pull":
+                conn.settle()  # ordered after the pulls sent before it
             if op == "hello":
                 sender = str(kw["sender"])
                 with self._lock:
@@ -212,7 +253,9 @@ class RankLane:
                 return ("ok", {"pid": os.getpid()})
             if conn.writer is None:
                 return ("error", "say hello first")
-            if op in ("pull", "prepare"):
+            if op == "pull":
+                return self._pull(conn, op, kw)
+            if op == "prepare":
                 return ("ok", self._pull(conn, op, kw))
             if op == "map":  # the reader's own state only: no safe point needed
                 return ("ok", same_node.map_kept(kw["source"], self._rank.device))
@@ -243,4 +286,4 @@ class RankLane:
         source = LocalSource(kw["source"], conn.writer, specs)
         if op == "prepare":
             return self._rank.prepare_sources([source], [names], key)
-        return self._rank.pull_sources([source], [names], kw.get("timeout"), key)
+        return lambda: self._rank.pull_sources([source], [names], kw.get("timeout"), key)

@@ -9,8 +9,9 @@ pull is refused unless generation is paused or a session is open, and no
 batch is running.
 
 Threads: the scheduler's loop thread runs every pull, begin, finalize and
-abort; Ray's actor threads and the lane's thread queue that work and wait for
-it (status and the lane's ``map`` run on them). Locks, taken in this order:
+abort; Ray's actor threads and the lane's threads (its serving thread and its
+pull workers) queue that work and wait for it (status and the lane's ``map``
+run on them). Locks, taken in this order:
 the receiver's lock, the update state's lock (never held while taking
 another), the same-node reader's lock.
 """

@@ -162,6 +162,7 @@ class Update:
             self.session_open = True
             self.begin_seconds = time.perf_counter() - t1
         timeout = c.pull_timeout_s
+        flight.sent_at = time.perf_counter()
         for (rg, group), (ref, meta) in zip(step, flight.sources):
             for r in self.rank_groups[rg]:
                 if r in self.route.lanes:
@@ -171,7 +172,6 @@ class Update:
                     call = c.ranks[r].actor.pull_weights.remote([ref], group.names, timeout)
                 flight.calls.append((r, call))
             self.sent[rg].update(group.names)
-        flight.sent_at = time.perf_counter()
         return flight
 
     def _describe(self, index: int, step) -> Flight:

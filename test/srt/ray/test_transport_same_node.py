@@ -422,6 +422,31 @@ def test_kept_segments_are_not_checked_again_until_forgotten(fake_cuda):
     assert drv.asked == Counter({loose.data_ptr(): 1, pool.data_ptr(): 1})
 
 
+def test_tensors_wholly_in_kept_memory_at_known_addresses_are_described_without_the_driver(fake_cuda):
+    """New tensors at the addresses of the last ones (a staging pool hands its
+    blocks out again) in kept segments: the description is the one made
+    before, asked of nobody; not so when a tensor sits in memory not kept, has
+    another size or address, or once the kept memory is withdrawn."""
+    drv = fake_cuda
+    pool, loose = drv.alloc(8192), drv.alloc(4096)
+    keepers = {1: lambda base: base == pool.data_ptr()}
+    exporter = CudaIpcExporter("sender", keepers.get)
+    first = exporter.export([_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
+    drv.calls.clear()
+    drv.asked.clear()
+    again = exporter.export([_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
+    assert again is first and not drv.calls and not drv.asked
+    other = exporter.export([_view(pool, 0, 64), _view(pool, 4096, 16)], 1, "node-a")  # another size
+    assert other is not first and list(other.nbytes) == [64, 16]
+    mixed = [_view(pool, 0, 64), _view(loose, 0, 64)]
+    assert exporter.export(mixed, 1, "node-a") is not exporter.export(mixed, 1, "node-a")
+    keepers.clear()
+    exporter.forget_kept(1)
+    drv.calls.clear()
+    fresh = exporter.export([_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
+    assert fresh is not first and drv.calls["ipc_handle"] == 1 and not fresh.segments[0][3]
+
+
 def test_exporter_gives_up_on_segments_that_keep_changing(fake_cuda, monkeypatch):
     drv = fake_cuda
     a = drv.alloc(4096)

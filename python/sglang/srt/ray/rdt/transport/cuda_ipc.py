@@ -102,17 +102,36 @@ class CudaIpcExporter:
     """
 
     max_known = 4096  # segments kept per GPU before the memo starts over
+    max_parts = 64  # descriptions of kept memory remembered (a model's groups)
 
     def __init__(self, token: str, keeper: Callable[[int], Optional[Callable[[int], bool]]]):
         self.token = token
         self._keeper = keeper
         self._known: Dict[int, _KnownSegments] = {}
-        self._lock = threading.Lock()  # guards the known segments
+        # (ordinal, addresses, sizes) -> the IpcPart of tensors wholly in kept
+        # segments: kept memory is not freed while kept, so tensors made anew
+        # at the same addresses (the staging pool's allocator hands them out
+        # again) are described without looking at a segment.
+        self._parts: Dict[tuple, IpcPart] = {}
+        self._lock = threading.Lock()  # guards the known segments and the parts
 
     def export(self, tensors, ordinal: int, node_id: str, nbytes=None) -> IpcPart:
         """An :class:`IpcPart` of ``tensors`` (contiguous, all on GPU
         ``ordinal``; ``nbytes``: their sizes, when known)."""
         ptrs, nbytes = addresses(tensors, nbytes)
+        key = (ordinal, node_id, ptrs.tobytes(), nbytes.tobytes())
+        part = self._parts.get(key)
+        if part is not None:
+            return part
+        part = self._export(ptrs, nbytes, ordinal, node_id)
+        if all(s[3] for s in part.segments):
+            with self._lock:
+                if len(self._parts) >= self.max_parts:
+                    self._parts.clear()
+                self._parts[key] = part
+        return part
+
+    def _export(self, ptrs, nbytes, ordinal: int, node_id: str) -> IpcPart:
         drv = cuda_driver.driver()
         with self._lock:
             known = self._known.setdefault(ordinal, _KnownSegments())
@@ -135,6 +154,7 @@ class CudaIpcExporter:
     def forget_kept(self, ordinal: int) -> None:
         """The kept memory of GPU ``ordinal`` is being freed: look its segments up anew."""
         with self._lock:
+            self._parts.clear()
             known = self._known.get(ordinal)
             if known is not None:
                 known.replace([i for i, e in enumerate(known.entries) if e[4]], [])

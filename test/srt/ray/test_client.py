@@ -385,7 +385,9 @@ def test_direct_reads_the_callers_tensors_in_place_and_holds_nothing_after(calm)
 @pytest.mark.parametrize("export", ["direct", "buckets"])
 def test_a_streamed_update_lands_every_byte_and_keeps_two_groups_alive(calm, export):
     """An iterator's tensors are made as the update consumes it: at most two
-    groups' worth of them are alive at once, whatever the model's size."""
+    buckets' worth of them are alive at once, whatever the model's size (in
+    place: groups of half a bucket, up to three in flight and one being made;
+    slots: two groups of a bucket)."""
     toy = calm
     weights = new_weights(seed=51 if export == "direct" else 52)
     sizes = [t.nbytes for t in weights.values()]
@@ -406,7 +408,9 @@ def test_a_streamed_update_lands_every_byte_and_keeps_two_groups_alive(calm, exp
     assert_ranks_hold(toy, weights)
     assert not alive  # nothing of the caller's is kept after update() returns
     assert stats.tensors == len(weights) and stats.bytes == sum(sizes)
-    assert len(stats.buckets) == 6 and max(peak) <= 2 * 2 + 1  # two groups of two, and the new one
+    # slots: groups of a weight and its bias; in place: one tensor each (a weight is over half a bucket)
+    assert len(stats.buckets) == (12 if export == "direct" else 6)
+    assert max(peak) <= 2 * 2 + 1  # two buckets' worth (two weights and biases), and the new one
     if export == "direct":
         assert 0 < stats.held_bytes <= 2 * GROUP_BYTES
     else:

@@ -88,14 +88,20 @@ class GpuTrainer:
         return {"direct": route.direct, "lanes": sorted(route.lanes), "ref_transport": route.ref_transport,
                 "why_not_direct": route.why_not_direct}
 
-    def update(self, n: int, numel: int, seed: int, version: str, die_after_steps: int = 0) -> Dict[str, Any]:
+    def update(self, n: int, numel: int, seed: int, version: str, die_after_steps: int = 0,
+               stream: bool = False) -> Dict[str, Any]:
         """One update of fresh tensors (made now, in the client's staging
-        pool, as a trainer's gather step makes them). ``die_after_steps``:
-        this process SIGKILLs itself once that many steps landed, while the
-        next step's pull is in flight on the rank. Returns the client's
-        figures, or the error it raised (type, cause's type, message)."""
-        with self.client.staging():
-            named = {name: pattern(numel, seed, i, self.device) for i, name in enumerate(weight_names(n))}
+        pool, as a trainer's gather step makes them; ``stream``: a generator
+        that makes each as the update consumes it). ``die_after_steps``: this
+        process SIGKILLs itself once that many steps landed, while the next
+        steps' pulls are in flight on the rank. Returns the client's figures,
+        or the error it raised (type, cause's type, message)."""
+        made = ((name, pattern(numel, seed, i, self.device)) for i, name in enumerate(weight_names(n)))
+        if stream:
+            named = made
+        else:
+            with self.client.staging():
+                named = dict(made)
 
         def progress(step, done, total):
             if die_after_steps and done >= die_after_steps:

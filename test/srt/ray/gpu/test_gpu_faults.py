@@ -28,7 +28,9 @@ from gpu_actors import GpuRank, GpuTrainer, pattern, sha256, weight_names  # noq
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE.parent))  # the suite's waiting.py (imports nothing), without its conftest
 from waiting import wait_until  # noqa: E402
-N, NUMEL = 8, 1 << 20  # 8 float32 vectors of 4 MiB: four groups of two on the direct route
+N, NUMEL = 8, 1 << 20  # 8 float32 vectors of 4 MiB
+# Streamed with 8 MiB buckets: groups of one vector (half a bucket), four alive at most.
+STREAM_BUCKET = 8 << 20
 NAMES = weight_names(N)
 
 
@@ -70,7 +72,7 @@ def test_fresh_tensors_every_update_land_byte_for_byte_over_cuda_ipc(gpu_ray):
             out = ray.get(trainer.update.remote(N, NUMEL, seed, f"v{seed}"), timeout=300)
             assert "error" not in out, out
             assert (out["path"], out["transport"], out["tensors"]) == ("direct", "cuda_ipc", N), out
-            assert out["lane_calls"] == out["steps"] == 4, out  # one rank, four groups
+            assert out["lane_calls"] == out["steps"] == 1, out  # one rank, one group (a mapping)
             assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(seed)
         assert ray.get(rank.pointers.remote(), timeout=60) == ptrs  # written in place
         st = status(rank)
@@ -86,12 +88,14 @@ def test_fresh_tensors_every_update_land_byte_for_byte_over_cuda_ipc(gpu_ray):
 
 
 def test_a_trainer_that_dies_mid_update_leaves_no_torn_tensor_and_the_rank_recovers_on_a_complete_update(gpu_ray):
-    """The trainer SIGKILLs itself once the first of four groups landed, while
-    the second group's pull (over CUDA IPC) is in flight on the rank. Then:
+    """The trainer streams its tensors (one group each, at most four alive)
+    and SIGKILLs itself once the first group landed, while the next three
+    groups' pulls (over CUDA IPC) are in flight on the rank. Then:
 
     * nothing is torn silently: the first group holds the dead trainer's
-      bytes, the last two the old ones (never sent), the second either, whole
-      (it landed from memory the rank keeps mapped, or could not be read);
+      bytes, the last four the old ones (never sent), the three in flight
+      either, whole (each landed from memory the rank keeps mapped, or could
+      not be read);
     * the rank sees the trainer's lane close with its update open: it aborts
       that update (the engine was only paused: nobody else would end it) and
       reports its weights inconsistent, naming the trainer; the version stays;
@@ -101,14 +105,14 @@ def test_a_trainer_that_dies_mid_update_leaves_no_torn_tensor_and_the_rank_recov
     first = GpuTrainer.options(**actor_options()).remote()
     second = None
     try:
-        assert ray.get(first.connect.remote(rank), timeout=300)["direct"] is True
+        assert ray.get(first.connect.remote(rank, bucket_bytes=STREAM_BUCKET), timeout=300)["direct"] is True
         assert "error" not in ray.get(first.update.remote(N, NUMEL, 1, "v1"), timeout=300)
         assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(1)
         base = status(rank)
         first_pid = ray.get(first.pid.remote(), timeout=60)
 
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(first.update.remote(N, NUMEL, 2, "v2", die_after_steps=1), timeout=300)
+            ray.get(first.update.remote(N, NUMEL, 2, "v2", die_after_steps=1, stream=True), timeout=300)
 
         st = wait_until(lambda: (lambda s: s if s["failed_updates"] > base["failed_updates"] else None)(
             status(rank)), 120, interval=0.1, what="the rank to abort the dead trainer's update")
@@ -117,9 +121,9 @@ def test_a_trainer_that_dies_mid_update_leaves_no_torn_tensor_and_the_rank_recov
                                              "lane before the update it wrote in ended")
         sums = ray.get(rank.get_parameter_checksums.remote(), timeout=120)
         old, new = expected(1), expected(2)
-        assert all(sums[n] == new[n] for n in NAMES[:2])  # the group that landed before the kill
+        assert all(sums[n] == new[n] for n in NAMES[:1])  # the group that landed before the kill
         assert all(sums[n] == old[n] for n in NAMES[4:])  # groups never sent
-        assert all(sums[n] in (old[n], new[n]) for n in NAMES[2:4])  # whole, one or the other
+        assert all(sums[n] in (old[n], new[n]) for n in NAMES[1:4])  # whole, one or the other
 
         # A restarted trainer's complete update: the rank is whole again.
         second = GpuTrainer.options(**actor_options()).remote()

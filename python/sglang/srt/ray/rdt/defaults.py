@@ -31,9 +31,10 @@ PULL_WAIT_MARGIN_S = SAFE_POINT_TIMEOUT_S + 30.0
 # 256 MiB ones (docs/performance.md).
 CPU_BUCKET_BYTES = 256 << 20
 GPU_BUCKET_BYTES = 1 << 30
-# A mapping whose tensors the ranks read in place goes out in this many
-# groups: the next one is described while the ranks copy the last.
-DIRECT_GROUPS = 4
+# An iterator read in place goes out in groups of bucket_bytes / this: with
+# at most two buckets' worth alive, the next groups are made while the
+# ranks copy.
+STREAM_GROUPS_PER_BUCKET = 2
 
 
 def bucket_bytes_for(device: str) -> int:

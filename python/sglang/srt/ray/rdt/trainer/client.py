@@ -223,7 +223,7 @@ class WeightSyncClient:
             payloads, rank_groups = buckets.split_payloads(named_tensors, len(self.ranks))
             # grouped as update() will group them, so its layouts are the ones prepared
             steps = list(buckets.steps(payloads, rank_groups,
-                                       group_bytes_for(route, payloads, self.bucket_bytes, False)))
+                                       group_bytes_for(route, self.bucket_bytes, False)))
             for step in steps:
                 for rg, group in step:
                     self.layouts_book.assign(rg, group, rank_groups[rg], self._layouts, self.labels)

@@ -1,15 +1,15 @@
 """One :meth:`WeightSyncClient.update`: plan, transfer, finish — each once.
 
 **Plan.** Split what the trainer gave into rank groups and cut each into
-groups of at most ``bucket_bytes`` (``buckets.py``). A mapping is checked
-whole before anything moves; an iterator's groups are checked as they come.
+groups (``buckets.py``, sizes by :func:`group_bytes_for`). A mapping is
+checked whole before anything moves; an iterator's groups as they come.
 
 **Transfer.** Step ``k`` (group ``k`` of every rank group) goes out the way
 the client's route says: *direct*, ranks on this node read the trainer's own
 tensors over their call lanes; *buckets*, the step is copied into one of the
-client's two slots that ranks read over their lane or through a Ray ref. At
-most two steps are in flight: step ``k`` is made only once step ``k - 2``
-landed, and a slot is refilled only after every rank's pull of it returned.
+client's two slots that ranks read over their lane or through a Ray ref. A
+slot is refilled only after every rank's pull of it returned; an iterator
+read in place has at most two buckets' worth of its tensors alive.
 The engine's update session opens right before the first step goes out.
 
 **Finish.** End the session with the new ``weight_version``. On any failure:
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from sglang.srt.ray.rdt.defaults import DIRECT_GROUPS, PULL_TIMEOUT_S, PULL_WAIT_MARGIN_S
+from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S, PULL_WAIT_MARGIN_S, STREAM_GROUPS_PER_BUCKET
 from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
 from sglang.srt.ray.rdt.ranks import settle, unfinished
 from sglang.srt.ray.rdt.trainer import buckets
@@ -81,6 +82,7 @@ class Update:
     sent: List[set] = field(default_factory=list)
     stream: bool = False
     slot_bytes: int = 0
+    group_bytes: int = 0
     wait_s: float = 0.0
     total: Optional[int] = None  # steps of a mapping (an iterator's: unknown)
 
@@ -94,8 +96,8 @@ class Update:
         self.stream = buckets.is_stream(named)
         self.sent = [set() for _ in self.rank_groups]
         self._tag = next(c.update_tags)
-        group_bytes = group_bytes_for(self.route, payloads, self.bucket_bytes, self.stream)
-        steps = buckets.steps(payloads, self.rank_groups, group_bytes)
+        self.group_bytes = group_bytes_for(self.route, self.bucket_bytes, self.stream)
+        steps = buckets.steps(payloads, self.rank_groups, self.group_bytes)
         self.slot_bytes = self.bucket_bytes
         if not self.stream:  # every layout checked before anything moves
             planned = [self._check(step) for step in steps]
@@ -126,7 +128,7 @@ class Update:
     # -- transfer --------------------------------------------------------------- #
     def _transfer(self, steps) -> None:
         while True:
-            if len(self.flights) == 2:  # its slot, or its share of the bound, is needed
+            while self.flights and not self._room():
                 self._land(self.flights.popleft())
             step = self._next(steps)
             if step is None:
@@ -134,6 +136,15 @@ class Update:
             self.flights.append(self._send(step))
         while self.flights:
             self._land(self.flights.popleft())
+
+    def _room(self) -> bool:
+        """Whether the next step may be made and sent before another lands:
+        buckets, while one of the two slots is free; an iterator read in
+        place, while what is in flight and the next group stay within two
+        buckets; a mapping read in place always (the caller holds it whole)."""
+        if not self.route.direct:
+            return len(self.flights) < 2
+        return not self.stream or self.held + self.group_bytes <= 2 * self.bucket_bytes
 
     def _next(self, steps):
         """The next step; an iterator's tensors are made now (in the staging
@@ -304,14 +315,17 @@ class Update:
         )
 
 
-def group_bytes_for(route, payloads, bucket_bytes: int, stream: bool) -> int:
-    """How much of an update goes in one group: ``bucket_bytes``, except
-    for a mapping read in place — the caller holds every tensor anyway, so
-    a few groups, the next described while the ranks copy the last."""
-    if not route.direct or stream:
+def group_bytes_for(route, bucket_bytes: int, stream: bool) -> int:
+    """How much of an update goes in one group: ``bucket_bytes`` for the
+    slots; an iterator read in place, half of it (up to four groups within
+    the bound of two buckets: the next ones are made while the ranks copy);
+    a mapping read in place, all of it (the caller holds every tensor anyway:
+    one pull per rank, one copy, no round trip between groups)."""
+    if not route.direct:
         return bucket_bytes
-    total = max(sum(t.nbytes for t in p.values()) for p in payloads)
-    return max(-(-total // DIRECT_GROUPS), 1)
+    if stream:
+        return max(bucket_bytes // STREAM_GROUPS_PER_BUCKET, 1)
+    return sys.maxsize
 
 
 def _in_place(group: buckets.Group, device: torch.device) -> None:

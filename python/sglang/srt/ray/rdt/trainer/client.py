@@ -69,9 +69,10 @@ class WeightSyncClient:
             With neither, the caller must have paused generation
             (``/pause_generation``); the client then finalizes
             (``finalize_weight_update``) or aborts each rank.
-        bucket_bytes: the size of one group of an update (one transfer; two
-            are in flight) and of each of the two bucket slots. Default: 1 GiB
-            for CUDA tensors, 256 MiB for host memory.
+        bucket_bytes: the size of each of the two bucket slots (one group
+            each) and the bound of a streamed update read in place (two
+            buckets' worth alive). Default: 1 GiB for CUDA tensors, 256 MiB
+            for host memory.
         device: where the trainer's tensors (and the bucket slots) live.
         pull_timeout_s: transfer timeout per pull on a rank (default: the
             engine's ``--rdt-pull-timeout``).
@@ -236,7 +237,7 @@ class WeightSyncClient:
         return out
 
     def _warm_pool(self) -> None:
-        """Grow the staging pool to what a streamed update holds (two groups)
+        """Grow the staging pool to what a streamed update holds (two buckets)
         and have the ranks map it now."""
         with self.staging():
             block = torch.empty(2 * self.bucket_bytes + self.bucket_bytes // 8, dtype=torch.uint8,
@@ -309,10 +310,10 @@ class WeightSyncClient:
         Args:
             named_tensors: ``{name: tensor}``, or an iterator of ``(name,
                 tensor)`` made as it is consumed (a gather loop: at most two
-                groups' worth alive at a time), in the rollout layout, sent to
+                buckets' worth alive at a time), in the rollout layout, sent to
                 every rank; or ``{rank: mapping}`` (TP > 1).
             version: the new ``weight_version``.
-            bucket_bytes: override the client's group size for this update.
+            bucket_bytes: override the client's ``bucket_bytes`` for this update.
             strict: require every parameter of the rollout model to be sent.
             flush_cache: flush the prefix cache when finalizing (its KV came
                 from the old weights; keep True unless you know better).

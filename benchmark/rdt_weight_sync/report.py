@@ -97,7 +97,7 @@ def targets(summary: Dict[str, Any]) -> List[str]:
                            r["worst_over_median"] <= 1.25))
             held_ok = r["held_after_mib"] <= r["slot_mib"] + 1
             checks.append((f"held after {r['held_after_mib']:.0f} MiB (slots {r['slot_mib']:.0f})", held_ok))
-            bound = r["bound_mib"] + s["info"].get("largest_tensor_bytes", 0) / MiB  # two groups + the one being made
+            bound = r["bound_mib"] + s["info"].get("largest_tensor_bytes", 0) / MiB  # two buckets + the tensor being made
             peak_ok = r["peak_extra_mib"] <= (bound if r["mode"] == "stream" else 64)
             checks.append((f"peak extra {r['peak_extra_mib']:.0f} MiB", peak_ok))
             for text, ok in checks:

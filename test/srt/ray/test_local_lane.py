@@ -26,7 +26,7 @@ from sglang.srt.ray.rdt.engine.local_lane import DIR_PREFIX, remove_dead_lanes
 from sglang.srt.ray.rdt.engine.standalone import standalone_rank
 from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
 from sglang.srt.ray.rdt.lane_wire import FRAME, recv_frame, send_frame
-from sglang.srt.ray.rdt.ranks import gather
+from sglang.srt.ray.rdt.ranks import gather, unfinished
 from sglang.srt.ray.rdt.trainer import buckets
 from sglang.srt.ray.rdt.trainer.discovery import RankInfo
 from sglang.srt.ray.rdt.trainer.lane import Lanes, RankGone, RankLink
@@ -390,6 +390,9 @@ def test_a_call_waits_no_longer_than_its_timeout_and_names_a_rank_process_that_e
                            rf"scheduler of pid {rank_process.pid} stuck\?\)"):
             call.result(0.5)
         assert not link.broken
+        # A bounded wait that runs out leaves it unfinished: a slot it reads stays reserved.
+        call.wait(0.2)
+        assert not call.finished() and unfinished([(0, call)]) == [call]
         # Its process exits while the socket stays open (here, held by another
         # process): the liveness check names it instead of waiting out 120 s.
         rank_process.kill()

@@ -35,8 +35,8 @@ from sglang.srt.ray.rdt.transport.cma import (
     split_copies,
 )
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, chunk_table
-from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader, Targets
-from sglang.srt.ray.rdt.transport.metadata import CmaPart, IpcPart, MappingFailed
+from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader
+from sglang.srt.ray.rdt.transport.metadata import CmaPart, IpcPart, MappingFailed, Targets
 
 MiB = 1 << 20
 

@@ -26,7 +26,7 @@ CALL_TIMEOUT_S = 120.0
 # A rank runs a pull at its next safe point (up to SAFE_POINT_TIMEOUT_S
 # away) and then bounds the transfer itself: the trainer waits that long more.
 PULL_WAIT_MARGIN_S = SAFE_POINT_TIMEOUT_S + 30.0
-# Group (and bucket slot) sizes: one transfer each, two in flight. GPU: every
+# Bucket slot (and group) sizes: one transfer each, two slots in flight. GPU: every
 # group costs a call and a sync; on 2xH200 1 GiB buckets ran 3x faster than
 # 256 MiB ones (docs/performance.md).
 CPU_BUCKET_BYTES = 256 << 20

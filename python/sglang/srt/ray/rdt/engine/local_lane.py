@@ -55,7 +55,7 @@ POLL_MS = 200
 DIR_PREFIX = "sglang-rdt-lane-"
 # Layouts one connection may define (a model's groups, each update the same).
 MAX_LAYOUTS = 4096
-# Threads that wait for pulls (a trainer keeps at most two in flight per rank).
+# Threads that wait for pulls (two keep the scheduler's next pull queued).
 PULL_WORKERS = 2
 
 
@@ -159,7 +159,7 @@ class RankLane:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2 * POLL_MS / 1000 + 1)
-        self._workers.shutdown(wait=False)
+        self._workers.shutdown(wait=False, cancel_futures=True)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -215,7 +215,11 @@ class RankLane:
             reply = ("ok", pull())
         except BaseException as e:
             reply = ("raise", e)
-        self._answer(sock, conn, req_id, reply)
+        if not self._answer(sock, conn, req_id, reply):
+            try:  # (a frame may be cut short): the serving thread sees the end and cleans up
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _answer(self, sock, conn: _Connection, req_id: bytes, reply) -> bool:
         try:

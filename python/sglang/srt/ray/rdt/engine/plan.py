@@ -141,7 +141,7 @@ class CachedPlan:
     __slots__ = ("targets", "nbytes", "count", "_params", "_checks")
 
     def __init__(self, targets: List[List[torch.Tensor]], params: Sequence[torch.Tensor]):
-        from sglang.srt.ray.rdt.transport.cuda_ipc import Targets
+        from sglang.srt.ray.rdt.transport.metadata import Targets
 
         self.targets = [Targets.of(ts) for ts in targets]
         self.nbytes = sum(int(t.nbytes.sum()) for t in self.targets)

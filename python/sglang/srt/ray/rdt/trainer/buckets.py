@@ -4,7 +4,7 @@ Nothing here talks to Ray, NIXL or a GPU. ``WeightSyncClient.update`` takes
 what the trainer gives (one mapping for every rank, ``{rank: mapping}`` whose
 equal mappings share a rank group, or an iterator of ``(name, tensor)``:
 :func:`split_payloads`), cuts each rank group's tensors into groups of at
-most a number of bytes (:func:`cut`; one transfer each, at most two in
+most a number of bytes (:func:`cut`; one transfer each, a bounded number in
 flight), checks every group against each rank's live parameters once per
 layout (:class:`LayoutBook`) and lays a step (group ``k`` of every rank
 group) out in one bucket slot (:func:`slot_layout`).

@@ -38,7 +38,7 @@ class UpdateStats:
     ``bytes`` / ``transfer_seconds``. ``path``: ``"direct"`` (the ranks read
     the trainer's own tensors) or ``"buckets"`` (copies in the client's
     slots); ``held_bytes``: the most bytes of the trainer's tensors the client
-    held at once (``direct``: the groups in flight, at most two).
+    held at once (``direct``: the groups in flight; a stream's stay within two buckets).
     """
 
     version: Optional[str]

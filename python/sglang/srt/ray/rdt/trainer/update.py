@@ -275,8 +275,9 @@ class Update:
         slots whose pulls are over (a slot still read stays reserved until
         :meth:`WeightSyncClient` reclaims it)."""
         c = self.client
+        deadline = time.monotonic() + self.wait_s  # one bound for every flight
         for flight in self.flights:
-            settle(flight.calls, self.wait_s)
+            settle(flight.calls, max(0.0, deadline - time.monotonic()))
             if flight.slot is None:
                 continue
             if unfinished(flight.calls):

@@ -238,7 +238,7 @@ class CmaPath:
             return self._reader
 
     def read(self, part: CmaPart, targets, copy: bool = True) -> ReadResult:
-        """Read ``part``'s tensors into ``targets`` (a ``cuda_ipc.Targets``);
+        """Read ``part``'s tensors into ``targets`` (a ``metadata.Targets``);
         ``copy=False``: only check that they can be read."""
         t0 = time.perf_counter()
         targets.check(part.nbytes)

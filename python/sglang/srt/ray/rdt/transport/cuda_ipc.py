@@ -32,34 +32,9 @@ import torch
 from sglang.srt.ray.rdt.transport import cuda_driver
 from sglang.srt.ray.rdt.transport.cma import pid_alive
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, device_uuid, local_ordinal_of
-from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, addresses, part_bytes
+from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, Targets, addresses, part_bytes
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Targets:
-    """Where a read lands: tensors and, once computed, their addresses and sizes."""
-
-    tensors: List
-    ptrs: np.ndarray
-    nbytes: np.ndarray
-
-    @classmethod
-    def of(cls, tensors) -> "Targets":
-        tensors = list(tensors)
-        return cls(tensors, *addresses(tensors))
-
-    def check(self, nbytes: np.ndarray) -> None:
-        """Raise before any byte moves unless the source's sizes fit exactly."""
-        if len(nbytes) != len(self.tensors):
-            raise ValueError(f"Length of tensor_buffers ({len(self.tensors)}) does not match "
-                             f"length from object metadata ({len(nbytes)}).")
-        bad = np.nonzero(nbytes != self.nbytes)[0]
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"target buffer {i} holds {int(self.nbytes[i])} bytes, the source "
-                             f"tensor {int(nbytes[i])}")
 
 
 class _KnownSegments:
@@ -102,7 +77,7 @@ class CudaIpcExporter:
     """
 
     max_known = 4096  # segments kept per GPU before the memo starts over
-    max_parts = 64  # descriptions of kept memory remembered (a model's groups)
+    max_parts = 1024  # descriptions of kept memory remembered (a model's groups)
 
     def __init__(self, token: str, keeper: Callable[[int], Optional[Callable[[int], bool]]]):
         self.token = token
@@ -113,6 +88,7 @@ class CudaIpcExporter:
         # at the same addresses (the staging pool's allocator hands them out
         # again) are described without looking at a segment.
         self._parts: Dict[tuple, IpcPart] = {}
+        self._kept_epoch = 0  # bumped when kept memory is withdrawn
         self._lock = threading.Lock()  # guards the known segments and the parts
 
     def export(self, tensors, ordinal: int, node_id: str, nbytes=None) -> IpcPart:
@@ -123,9 +99,12 @@ class CudaIpcExporter:
         part = self._parts.get(key)
         if part is not None:
             return part
+        epoch = self._kept_epoch
         part = self._export(ptrs, nbytes, ordinal, node_id)
         if all(s[3] for s in part.segments):
             with self._lock:
+                if epoch != self._kept_epoch:  # withdrawn meanwhile: not to be reused
+                    return part
                 if len(self._parts) >= self.max_parts:
                     self._parts.clear()
                 self._parts[key] = part
@@ -154,6 +133,7 @@ class CudaIpcExporter:
     def forget_kept(self, ordinal: int) -> None:
         """The kept memory of GPU ``ordinal`` is being freed: look its segments up anew."""
         with self._lock:
+            self._kept_epoch += 1
             self._parts.clear()
             known = self._known.get(ordinal)
             if known is not None:

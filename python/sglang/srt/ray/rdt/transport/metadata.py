@@ -92,6 +92,31 @@ class MappingFailed(RuntimeError):
     """A same-node read was refused before any byte moved (NIXL may still serve it)."""
 
 
+@dataclass
+class Targets:
+    """Where a read lands: tensors and, once computed, their addresses and sizes."""
+
+    tensors: List
+    ptrs: np.ndarray
+    nbytes: np.ndarray
+
+    @classmethod
+    def of(cls, tensors) -> "Targets":
+        tensors = list(tensors)
+        return cls(tensors, *addresses(tensors))
+
+    def check(self, nbytes: np.ndarray) -> None:
+        """Raise before any byte moves unless the source's sizes fit exactly."""
+        if len(nbytes) != len(self.tensors):
+            raise ValueError(f"Length of tensor_buffers ({len(self.tensors)}) does not match "
+                             f"length from object metadata ({len(nbytes)}).")
+        bad = np.nonzero(nbytes != self.nbytes)[0]
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"target buffer {i} holds {int(self.nbytes[i])} bytes, the source "
+                             f"tensor {int(nbytes[i])}")
+
+
 def addresses(tensors, nbytes=None) -> Tuple[np.ndarray, np.ndarray]:
     """``tensors``' data addresses and sizes (``nbytes``: the sizes, when known)."""
     ptrs = np.fromiter(map(methodcaller("data_ptr"), tensors), np.int64, len(tensors))

@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from sglang.srt.ray.rdt.transport.cma import CmaPath, export_cma
-from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader, Targets
-from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransportMetadata
+from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader
+from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransportMetadata, Targets
 
 __all__ = ["Targets", "export", "read", "unusable", "release", "token", "node_id", "reach"]
 

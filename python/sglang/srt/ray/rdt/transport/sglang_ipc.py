@@ -19,7 +19,7 @@ from typing import Any, List
 import torch
 
 from sglang.srt.ray.rdt.transport import compat, nixl_threads, same_node
-from sglang.srt.ray.rdt.transport.cuda_ipc import Targets
+from sglang.srt.ray.rdt.transport.metadata import Targets
 from sglang.srt.ray.rdt.transport.metadata import (
     IpcCommunicatorMetadata,
     MappingFailed,

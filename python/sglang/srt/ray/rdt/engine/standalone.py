@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from sglang.srt.managers.scheduler_safe_point import SafePointQueue
+from sglang.srt.managers.scheduler_safe_point import IDLE_WAIT_S, SafePointQueue
 from sglang.srt.ray.rdt.engine.actor_mixin import RankActorApi
 from sglang.srt.ray.rdt.engine.rank_sync import RankWeightSync
 
@@ -72,9 +72,10 @@ class ModelPort:
 
 class ServingLoop:
     """A thread that runs queued safe-point tasks between iterations (and
-    wakes at once when one is queued, as sglang's idle wait does)."""
+    wakes at once when one is queued, as sglang's idle wait does: an idle
+    iteration costs no CPU and holds no GIL that a caller's thread needs)."""
 
-    def __init__(self, queue: SafePointQueue, iteration_s: float = 0.0005):
+    def __init__(self, queue: SafePointQueue, iteration_s: float = IDLE_WAIT_S):
         self.queue = queue
         self.iteration_s = iteration_s
         self._stop = threading.Event()

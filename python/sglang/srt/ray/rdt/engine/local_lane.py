@@ -7,7 +7,9 @@ over a Unix socket served by one thread of the rank's process: no
 its core's own pull (:meth:`RankWeightSync.pull_sources`), with the same
 checks and records as ``pull_weights``; ``finalize`` and ``abort`` come the
 same way. A layout (names, shapes, dtypes) is sent once per connection with
-an id; later requests name the id and carry only where the bytes are.
+an id; later requests name the id and carry only where the bytes are (and
+a description of kept memory, the trainer's staging pool, likewise: sent
+once, then named).
 
 Threads: one serves the socket (reads every request, answers all but pulls);
 a pull is handed to one of :data:`PULL_WORKERS` threads that waits for the
@@ -89,6 +91,7 @@ class _Connection:
         self.writer: Optional[Writer] = None
         self.sender: Optional[str] = None
         self.layouts: Dict[int, tuple] = {}  # id -> (names, specs, plan key)
+        self.sources: Dict[int, Any] = {}  # kept description id -> its description
         self.pulls: List[Future] = []  # answered by a worker once done (serving thread only)
         self.send_lock = threading.Lock()  # guards writing answers to the socket
 
@@ -287,7 +290,16 @@ class RankLane:
         if layout_id not in conn.layouts:
             raise KeyError(f"layout {layout_id} was never defined on this connection")
         names, specs, key = conn.layouts[layout_id]
-        source = LocalSource(kw["source"], conn.writer, specs)
+        meta, source_id = kw.get("source"), int(kw.get("source_id") or 0)
+        if meta is None:  # a description of kept memory sent before
+            if source_id not in conn.sources:
+                raise KeyError(f"source {source_id} was never sent on this connection")
+            meta = conn.sources[source_id]
+        elif source_id:
+            if len(conn.sources) >= MAX_LAYOUTS and source_id not in conn.sources:
+                conn.sources.clear()
+            conn.sources[source_id] = meta
+        source = LocalSource(meta, conn.writer, specs)
         if op == "prepare":
             return self._rank.prepare_sources([source], [names], key)
-        return lambda: self._rank.pull_sources([source], [names], kw.get("timeout"), key)
+        return lambda: self._rank.pull_sources([source], [names], kw.get("timeout"), key, kw.get("finalize"))

@@ -172,15 +172,27 @@ class RankWeightSync:
         """``pull_weights``: land the refs' tensors (quiesced)."""
         return self._pull(lambda: sources_of(refs), names, timeout)
 
-    def pull_sources(self, sources, names, timeout: Optional[float] = None, key: Any = None):
-        """A lane request's pull (:mod:`.local_lane`), the same way."""
-        return self._pull(lambda: sources, names, timeout, key)
+    def pull_sources(self, sources, names, timeout: Optional[float] = None, key: Any = None,
+                     finalize: Optional[Dict[str, Any]] = None):
+        """A lane request's pull (:mod:`.local_lane`), the same way;
+        ``finalize`` (``{"weight_version", "flush_cache"}``): the update's last
+        pull, sent by its only writer: the update ends right after it, in the
+        same turn of the scheduler (the result's ``"finalized"``)."""
+        return self._pull(lambda: sources, names, timeout, key, finalize)
 
-    def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None) -> Dict[str, Any]:
+    def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None,
+              finalize: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        ending = []  # (set once the pull landed and the update's end began)
+
         def run():
             why = self.quiesced()
             if why is None:
-                return self.receiver.pull(make_sources(), names, timeout, key)
+                out = self.receiver.pull(make_sources(), names, timeout, key)
+                if finalize is not None:
+                    ending.append(True)
+                    out["finalized"] = self._finalize_here(finalize.get("weight_version"),
+                                                           finalize.get("flush_cache", True))
+                return out
             if why == NOT_PAUSED:
                 return _NOT_PAUSED_YET  # maybe the pause is still on its way
             raise WeightSyncError(NOT_QUIESCED.format(why=why))
@@ -199,6 +211,8 @@ class RankWeightSync:
                 time.sleep(0.01)
         except BaseException as e:
             kind = failure_kind(e)
+            if ending:  # counted as finalize() counts its own failures
+                kind = None if isinstance(e, WeightSyncError) else "finalize"
             if kind is not None:
                 self.state.fail(kind)
             raise

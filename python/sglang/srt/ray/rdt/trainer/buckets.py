@@ -13,9 +13,10 @@ group) out in one bucket slot (:func:`slot_layout`).
 from __future__ import annotations
 
 import itertools
+import sys
 from operator import attrgetter
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,6 +24,8 @@ from sglang.srt.ray.rdt.errors import WeightSyncError, close_names, dtype_name
 
 # Offsets inside a slot are multiples of this (every dtype's alignment, a cache line).
 ALIGN = 256
+# A group size that keeps each rank group's tensors in one group.
+WHOLE = sys.maxsize
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -106,7 +109,7 @@ class Group:
     tensors: List[torch.Tensor] = field(default_factory=list)
     shapes: List[torch.Size] = field(default_factory=list)
     dtypes: List[torch.dtype] = field(default_factory=list)
-    sizes: List[int] = field(default_factory=list)  # each tensor's bytes
+    sizes: Optional[List[int]] = field(default_factory=list)  # each tensor's bytes (None: not yet)
     nbytes: int = 0
     layout: int = -1  # its layout id (LayoutBook)
 
@@ -153,8 +156,11 @@ def _cut_all(names: List[str], tensors: List[torch.Tensor], group_bytes: int) ->
         raise WeightSyncError("empty update: no tensors were given")
     if set(map(type, tensors)) != {torch.Tensor}:  # (a tensor's autograd state does not matter here)
         tensors = [_checked(n, t) for n, t in zip(names, tensors)]
-    sizes = list(map(_NBYTES, tensors))
     shapes, dtypes = list(map(_SHAPE, tensors)), list(map(_DTYPE, tensors))
+    if group_bytes == WHOLE:  # one group: its sizes come with its layout (LayoutBook.assign)
+        yield Group(0, names, tensors, shapes, dtypes, None, -1)
+        return
+    sizes = list(map(_NBYTES, tensors))
     start, total, index = 0, 0, 0
     for i, n in enumerate(sizes + [group_bytes + 1]):  # (the sentinel ends the last group)
         if i > start and total + n > group_bytes:
@@ -168,7 +174,7 @@ def steps(payloads, rank_groups, group_bytes: int) -> Iterator[List[Tuple[int, G
     """Step ``k``: group ``k`` of every rank group, ``[(rank group, group)]``;
     the rank groups share ``group_bytes`` (a step fills one bucket slot).
     Nothing here holds a step once the next one is asked for."""
-    share = max(ALIGN, group_bytes // len(rank_groups))
+    share = WHOLE if group_bytes == WHOLE else max(ALIGN, group_bytes // len(rank_groups))
     cuts = [cut(p, share) for p in payloads]
     live = list(range(len(cuts)))
     while live:
@@ -232,8 +238,10 @@ def check_strict(sent: Iterable[str], layout: Mapping[str, Any], rank: str) -> N
 
 class LayoutBook:
     """Which layouts passed the checks: per (rank group, group index) the
-    names, shapes and dtypes last seen and their layout id. A group equal to
-    the last one is not checked again; its id is what the lanes know it by."""
+    names, shapes and dtypes last seen, the tensors' sizes, and their layout
+    id. A group equal to the last one is not checked again (nor its sizes
+    looked at: a group cut whole comes without them); its id is what the
+    lanes know it by."""
 
     def __init__(self):
         self._last: Dict[Tuple[int, int], tuple] = {}
@@ -247,12 +255,18 @@ class LayoutBook:
         if (last is not None and self.layouts is layouts and last[0] == group.names
                 and last[1] == shapes and last[2] == dtypes):
             group.layout = last[3]
+            if group.sizes is None:
+                group.sizes, group.nbytes = last[4], last[5]
             return group.layout
         for r in ranks:
             check_tensors(group.names, shapes, dtypes, layouts[r], labels[r])
         if self.layouts is not layouts:
             self._last.clear()
             self.layouts = layouts
+        if group.sizes is None:
+            group.sizes = list(map(_NBYTES, group.tensors))
+            group.nbytes = sum(group.sizes)
         group.layout = next(self._ids)
-        self._last[key] = (list(group.names), list(shapes), list(dtypes), group.layout)
+        self._last[key] = (list(group.names), list(shapes), list(dtypes), group.layout,
+                           group.sizes, group.nbytes)
         return group.layout

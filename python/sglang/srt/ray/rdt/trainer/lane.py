@@ -42,6 +42,7 @@ class LaneCall:
         self._reply: Any = None
         self._done = False
         self.defines: Optional[int] = None  # the layout this call tells the rank
+        self.defines_source = 0  # the kept description this call tells the rank
 
     def _receive(self, timeout_s: float) -> None:
         if not self._done:
@@ -90,6 +91,7 @@ class RankLink:
         self._early: Dict[bytes, Any] = {}  # replies read while waiting for another
         self.broken = False
         self.defined: set = set()  # layout ids this rank knows on this connection
+        self.sources: set = set()  # ids of kept descriptions (IpcPart.kept_id) it knows
         try:
             self.send("hello", {"sender": sender, "pid": os.getpid()}).result(FRAME_TIMEOUT_S)
         except BaseException:
@@ -189,23 +191,36 @@ class Lanes:
         link = self.links.get(rank)
         return None if link is None or link.broken else link
 
-    def pull(self, rank: int, group, meta, timeout: Optional[float], prepare: bool = False) -> LaneCall:
+    def pull(self, rank: int, group, meta, timeout: Optional[float], prepare: bool = False,
+             finalize: Optional[Dict[str, Any]] = None) -> LaneCall:
         """Send rank ``rank`` a pull of ``meta`` (a same-node description of
         ``group``'s tensors); the group's layout (names, shapes, dtypes) goes
-        along the first time this lane sees it, later pulls name its id."""
+        along the first time this lane sees it, later pulls name its id; so
+        does a description of kept memory (the staging pool) the exporter
+        remembers (the same tensors' places, update after update).
+        ``finalize``: the rank ends the update right after this pull (see
+        :meth:`~sglang.srt.ray.rdt.engine.rank_sync.RankWeightSync.pull_sources`)."""
         link = self.links[rank]
         first = group.layout not in link.defined
+        kept = meta.ipc.kept_id if meta.ipc is not None else 0
+        known = kept and kept in link.sources
         call = link.send("prepare" if prepare else "pull", {
             "layout": group.layout, "names": list(group.names) if first else None,
-            "specs": group.specs() if first else None, "timeout": timeout, "source": meta})
+            "specs": group.specs() if first else None, "timeout": timeout,
+            "source": None if known else meta, "source_id": kept, "finalize": finalize})
         call.defines = group.layout if first else None
+        call.defines_source = 0 if known else kept
         return call
 
     def defined(self, rank: int, call: LaneCall) -> None:
         """``call`` (a pull) succeeded: its layout is known on that lane now."""
-        layout = getattr(call, "defines", None)
-        if layout is not None and rank in self.links:
-            self.links[rank].defined.add(layout)
+        link = self.links.get(rank)
+        if link is None:
+            return
+        if call.defines is not None:
+            link.defined.add(call.defines)
+        if call.defines_source:
+            link.sources.add(call.defines_source)
 
     def close(self) -> None:
         for link in self.links.values():

@@ -12,15 +12,15 @@ slot is refilled only after every rank's pull of it returned; an iterator
 read in place has at most two buckets' worth of its tensors alive.
 The engine's update session opens right before the first step goes out.
 
-**Finish.** End the session with the new ``weight_version``. On any failure:
-wait (bounded) for pulls still reading, abort the session, raise.
+**Finish.** End the session with the new ``weight_version`` (one rank over
+its lane, in an update the caller paused for: its last pull ends it). On any
+failure: wait (bounded) for pulls still reading, abort the session, raise.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,6 +33,7 @@ from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
 from sglang.srt.ray.rdt.ranks import settle, unfinished
 from sglang.srt.ray.rdt.trainer import buckets
 from sglang.srt.ray.rdt.trainer.lane import LaneCall
+from sglang.srt.ray.rdt.trainer.sessions import CallerPausedSession
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
 from sglang.srt.ray.rdt.transport import same_node
 
@@ -85,6 +86,7 @@ class Update:
     group_bytes: int = 0
     wait_s: float = 0.0
     total: Optional[int] = None  # steps of a mapping (an iterator's: unknown)
+    ends_with_pull: bool = False  # the last pull ends the update (see run)
 
     # -- plan ------------------------------------------------------------------ #
     def run(self, named) -> UpdateStats:
@@ -109,6 +111,11 @@ class Update:
                         buckets.check_strict(payload.keys(), c.parameter_layouts()[r], c.labels[r])
             self.total = len(planned)
             steps = iter(planned)
+            # One rank, reached over its lane, in an update the caller paused
+            # for: nobody else has to agree before it ends, so its last pull
+            # ends it too (one round trip and one turn of the scheduler less).
+            self.ends_with_pull = (len(c.ranks) == 1 and 0 in self.route.lanes
+                                   and isinstance(c.session, CallerPausedSession))
         try:
             self._transfer(steps)
             self._finish()
@@ -174,10 +181,13 @@ class Update:
             self.begin_seconds = time.perf_counter() - t1
         timeout = c.pull_timeout_s
         flight.sent_at = time.perf_counter()
+        finalize = None
+        if self.ends_with_pull and index == self.total - 1:
+            finalize = {"weight_version": self.version, "flush_cache": self.flush_cache}
         for (rg, group), (ref, meta) in zip(step, flight.sources):
             for r in self.rank_groups[rg]:
                 if r in self.route.lanes:
-                    call = c.lanes.pull(r, group, meta, timeout)
+                    call = c.lanes.pull(r, group, meta, timeout, finalize=finalize)
                     self.lane_calls += 1
                 else:
                     call = c.ranks[r].actor.pull_weights.remote([ref], group.names, timeout)
@@ -189,12 +199,14 @@ class Update:
         """Direct: describe the trainer's own tensors where they are."""
         device = self.client.device_obj
         for _, group in step:
-            _in_place(group, device)
+            _contiguous(group)
         if device.type == "cuda" and (self.stream or index == 0):
             # queued work on them is done before a rank reads (a mapping: all
             # made before the call; an iterator: made as it is consumed)
             torch.cuda.synchronize(device)
-        sources = [(None, same_node.export(g.tensors, with_specs=False, nbytes=g.sizes)) for _, g in step]
+        sources = [(None, same_node.export(g.tensors, with_specs=False, nbytes=g.sizes,
+                                           check=lambda g=g: _on_device(g, device)))
+                   for _, g in step]
         held = sum(g.nbytes for _, g in step)
         self.held += held
         self.max_held = max(self.max_held, self.held)
@@ -266,6 +278,8 @@ class Update:
             for rg, names in enumerate(self.sent):
                 for r in self.rank_groups[rg]:
                     buckets.check_strict(names, c.parameter_layouts()[r], c.labels[r])
+        if self.ends_with_pull:
+            return  # ended by the last pull
         t0 = time.perf_counter()
         c.session.end(self.session_id, self.version, self.flush_cache)
         self.end_seconds = time.perf_counter() - t0
@@ -326,18 +340,23 @@ def group_bytes_for(route, bucket_bytes: int, stream: bool) -> int:
         return bucket_bytes
     if stream:
         return max(bucket_bytes // STREAM_GROUPS_PER_BUCKET, 1)
-    return sys.maxsize
+    return buckets.WHOLE
 
 
-def _in_place(group: buckets.Group, device: torch.device) -> None:
-    """``group``'s tensors as the ranks can read them where they are:
-    contiguous (a copy of a tensor that is not), on the client's device."""
-    tensors = group.tensors
+def _contiguous(group: buckets.Group) -> None:
+    """``group``'s tensors as the ranks can read them where they are: a copy
+    of a tensor that is not contiguous."""
+    if not all(map(torch.Tensor.is_contiguous, group.tensors)):
+        group.tensors = [t if t.is_contiguous() else t.contiguous() for t in group.tensors]
+
+
+def _on_device(group: buckets.Group, device: torch.device) -> None:
+    """Refuse ``group`` unless every tensor is on the client's device (asked
+    only where its description is made anew: tensors at the places of a
+    remembered one are in the staging pool on that device)."""
     index = device.index if device.type == "cuda" else -1  # get_device(): -1 on the CPU
-    if any(d != index for d in map(torch.Tensor.get_device, tensors)):
-        t, name = next((t, n) for t, n in zip(tensors, group.names) if t.get_device() != index)
+    if any(d != index for d in map(torch.Tensor.get_device, group.tensors)):
+        t, name = next((t, n) for t, n in zip(group.tensors, group.names) if t.get_device() != index)
         raise WeightSyncError(
             f"{name!r} is on {t.device}, the client's device is {device}: build the "
             f"client with device={str(t.device)!r}, or export='buckets' to copy it")
-    if not all(map(torch.Tensor.is_contiguous, tensors)):
-        group.tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]

@@ -19,6 +19,7 @@ read, and the reader synchronises its copy on the host.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -89,16 +90,22 @@ class CudaIpcExporter:
         # again) are described without looking at a segment.
         self._parts: Dict[tuple, IpcPart] = {}
         self._kept_epoch = 0  # bumped when kept memory is withdrawn
+        self._kept_ids = itertools.count(1)
         self._lock = threading.Lock()  # guards the known segments and the parts
 
-    def export(self, tensors, ordinal: int, node_id: str, nbytes=None) -> IpcPart:
+    def export(self, tensors, ordinal: int, node_id: str, nbytes=None, check=None) -> IpcPart:
         """An :class:`IpcPart` of ``tensors`` (contiguous, all on GPU
-        ``ordinal``; ``nbytes``: their sizes, when known)."""
+        ``ordinal``; ``nbytes``: their sizes, when known; ``check()``: raises
+        unless they are, asked unless the tensors sit wholly in kept memory of
+        ``ordinal`` as a remembered description says: in one address space an
+        address belongs to one allocation, hence one device)."""
         ptrs, nbytes = addresses(tensors, nbytes)
         key = (ordinal, node_id, ptrs.tobytes(), nbytes.tobytes())
         part = self._parts.get(key)
         if part is not None:
             return part
+        if check is not None:
+            check()
         epoch = self._kept_epoch
         part = self._export(ptrs, nbytes, ordinal, node_id)
         if all(s[3] for s in part.segments):
@@ -107,6 +114,7 @@ class CudaIpcExporter:
                     return part
                 if len(self._parts) >= self.max_parts:
                     self._parts.clear()
+                part.kept_id = next(self._kept_ids)
                 self._parts[key] = part
         return part
 
@@ -181,10 +189,15 @@ class CudaIpcReader:
     max_kept_senders = 4
 
     def __init__(self):
-        self.lock = threading.Lock()  # guards the mappings and the kernel tables; held over a read
+        self.lock = threading.Lock()  # guards the mappings, tables and resolved parts; held over a read
         self.kept: Dict[Tuple[str, int], _Mapping] = {}  # (sender, base) -> mapping
         self._ordinals: Dict[str, Optional[int]] = {}
         self._tables: Dict[int, tuple] = {}  # id(targets ptrs) -> (ptrs, src, device table)
+        # id(part) -> (part, (kept generation, ordinal), its tensors' addresses here): a
+        # description of kept memory read again (a lane names it) is not looked at again
+        # while none of the kept mappings closed (each close bumps the generation).
+        self._resolved: Dict[int, tuple] = {}
+        self._kept_gen = 0
         self._no_kernel: Optional[str] = None
 
     def ordinal(self, uuid_str: str) -> Optional[int]:
@@ -222,9 +235,8 @@ class CudaIpcReader:
             drv.push(dst_ord)
             launched = False
             try:
-                bases = self._map(drv, part, dst_ord, res, transient, copy)
+                src = self._sources(drv, part, dst_ord, res, transient, copy)
                 if copy and len(targets.tensors):
-                    src = bases[part.seg] + part.offset
                     t1 = time.perf_counter()
                     launched = True
                     res.method = self._copy(drv, targets, src, part.nbytes, src_ord, dst_ord)
@@ -258,6 +270,20 @@ class CudaIpcReader:
                 drv.pop()
         return res.opened
 
+    def _sources(self, drv, part: IpcPart, ordinal: int, res: ReadResult, transient: List[int],
+                 copy: bool) -> np.ndarray:
+        """Where ``part``'s tensors are in this process, mapping what is not mapped."""
+        hit = self._resolved.get(id(part))
+        if hit is not None and hit[0] is part and hit[1] == (self._kept_gen, ordinal):
+            res.reused += len(part.segments)
+            return hit[2]
+        src = self._map(drv, part, ordinal, res, transient, copy)[part.seg] + part.offset
+        if copy and part.kept_id and not transient:  # every segment stays mapped
+            if len(self._resolved) >= 1024:
+                self._resolved.clear()
+            self._resolved[id(part)] = (part, (self._kept_gen, ordinal), src)
+        return src
+
     def _map(self, drv, part: IpcPart, ordinal: int, res: ReadResult, transient: List[int],
              copy: bool) -> np.ndarray:
         out = np.zeros(len(part.segments), np.int64)
@@ -266,6 +292,7 @@ class CudaIpcReader:
             m = self.kept.get(key)
             if m is not None and (m.handle != handle or m.size != size or m.ordinal != ordinal):
                 self._close(drv, self.kept.pop(key).ptr)  # freed and allocated anew
+                self._kept_gen += 1
                 m = None
             if m is None:
                 if not (keep or copy):
@@ -376,6 +403,8 @@ class CudaIpcReader:
             finally:
                 drv.pop()
         self._tables.clear()  # a table may point into a closed mapping
+        self._resolved.clear()
+        self._kept_gen += 1
         return len(keys)
 
     def stats(self) -> Dict[str, int]:

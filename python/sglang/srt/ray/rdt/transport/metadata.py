@@ -36,6 +36,9 @@ class IpcPart:
     seg: np.ndarray  # per tensor: index into segments (int64)
     offset: np.ndarray  # per tensor: byte offset in its segment (int64)
     nbytes: np.ndarray  # per tensor (int64)
+    # A description of kept memory the sender remembers: unique in the sender
+    # process, so a lane sends the description once and names it after (0: not remembered).
+    kept_id: int = 0
 
 
 @dataclass

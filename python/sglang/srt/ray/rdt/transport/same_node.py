@@ -81,11 +81,13 @@ def set_keeper(ordinal: int, holds: Optional[Callable[[int], bool]]) -> None:
         _exporter.forget_kept(ordinal)
 
 
-def export(tensors, with_specs: bool = True, nbytes=None) -> SglangIpcTransportMetadata:
+def export(tensors, with_specs: bool = True, nbytes=None, check=None) -> SglangIpcTransportMetadata:
     """Describe ``tensors`` (contiguous, on one device; ``with_specs=False``:
     without shapes and dtypes; ``nbytes``: their sizes, when the caller knows
-    them) for a same-node reader. The caller makes sure queued work on them is
-    done before anyone reads them."""
+    them; ``check()``: raises unless they are all on the first one's device,
+    asked unless they sit where a remembered description of kept memory says)
+    for a same-node reader. The caller makes sure queued work on them is done
+    before anyone reads them."""
     meta = SglangIpcTransportMetadata(
         tensor_meta=[(tuple(t.shape), t.dtype) for t in tensors] if with_specs else [],
         tensor_device=tensors[0].device.type if tensors else None)
@@ -93,11 +95,13 @@ def export(tensors, with_specs: bool = True, nbytes=None) -> SglangIpcTransportM
         return meta
     device = tensors[0].device
     if device.type == "cpu":
+        if check is not None:
+            check()
         meta.cma = export_cma(tensors, _TOKEN, node_id(), nbytes)
         if meta.cma is None:
             meta.ipc_unavailable = "/proc is not readable here"
     elif device.type == "cuda":
-        meta.ipc = _parts()[0].export(tensors, device.index, node_id(), nbytes)
+        meta.ipc = _parts()[0].export(tensors, device.index, node_id(), nbytes, check)
     else:
         meta.ipc_unavailable = f"tensors on {device.type}"
     return meta

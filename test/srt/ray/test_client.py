@@ -382,6 +382,33 @@ def test_direct_reads_the_callers_tensors_in_place_and_holds_nothing_after(calm)
     assert (st["weights_consistent"], st["update_open"], st["weight_version"]) == (True, False, "direct-3")
 
 
+def test_one_rank_over_its_lane_ends_the_update_with_its_last_pull(calm):
+    """One rank, reached over its lane, in an update the caller paused for:
+    the pull that lands the last group ends the update too (no request of
+    its own); a pull that fails ends nothing and the update is aborted."""
+    toy = calm
+    one = toy.ranks[:1]
+    with WeightSyncClient(one, names=toy.names[:1], export="direct") as client:
+        client.update(new_weights(seed=61), version="one-1")
+        before = logs(toy, one)[0]
+        weights = new_weights(seed=62)
+        stats = client.update(weights, version="one-2")
+        after = logs(toy, one)[0]
+        assert (stats.lane_calls, len(stats.buckets), stats.end_seconds) == (1, 1, 0.0)
+        assert after["lane_calls"] - before["lane_calls"] == 1  # the pull, and nothing after it
+        assert (after["version"], after["updates"], after["pulls"]) == (
+            "one-2", before["updates"] + 1, before["pulls"] + 1)
+        toy.ray.get(one[0].configure.remote(fail="disk on fire"))
+        with pytest.raises(WeightSyncRankError, match="disk on fire") as err:
+            client.update(new_weights(seed=63), version="never")
+        assert err.value.aborted is True
+        failed = logs(toy, one)[0]
+        assert (failed["version"], failed["updates"]) == ("one-2", after["updates"])
+        st = toy.ray.get(one[0].get_weight_sync_status.remote())
+        assert (st["update_open"], st["weight_version"]) == (False, "one-2")
+    assert_ranks_hold(toy, weights, one)
+
+
 @pytest.mark.parametrize("export", ["direct", "buckets"])
 def test_a_streamed_update_lands_every_byte_and_keeps_two_groups_alive(calm, export):
     """An iterator's tensors are made as the update consumes it: at most two

@@ -15,6 +15,7 @@ import pickle
 import socket
 import subprocess
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -190,6 +191,49 @@ def test_a_layout_is_defined_once_per_connection_and_later_pulls_name_it(rank):
         assert done["weight_version"] == "v3" and done["update"]["consistent"] is True
         assert done["update"]["pulls"] == 3
         assert done["update"]["writer_labels"] == [f"trainer process {os.getpid()} (same-node lane)"]
+    finally:
+        lanes.close()
+
+
+def test_a_remembered_description_is_sent_once_per_connection_and_then_named(rank):
+    """A description the exporter remembers (kept memory: the staging pool)
+    goes over the lane once with its id; later pulls name the id and the rank
+    reads the one it keeps. A pull may also end the update it lands in."""
+    model = rank.model
+    _, link = open_link(rank)
+    lanes = Lanes()
+    lanes.links[0] = link
+    sent = []
+    real_send = link.send
+    link.send = lambda op, kw: sent.append(dict(kw)) or real_send(op, kw)
+    try:
+        w = new_weights(model, 1)
+        group = group_of(w, layout=7)
+        meta = same_node.export(group.tensors, with_specs=False)
+        meta.ipc = SimpleNamespace(kept_id=5)  # (as the GPU exporter marks kept memory; read by CMA here)
+        call = lanes.pull(0, group, meta, 10.0)
+        call.result(30)
+        assert sent[-1]["source"] is meta and sent[-1]["source_id"] == 5
+        assert call.defines_source == 5 and link.sources == set()  # known once the pull succeeded
+        lanes.defined(0, call)
+        assert link.sources == {5}
+        # The same places refilled: the request names the description only,
+        # and this pull ends the update (version, post-load) in the same turn.
+        for t in w.values():
+            t.add_(1.0)
+        call = lanes.pull(0, group, meta, 10.0, finalize={"weight_version": "kept-2", "flush_cache": True})
+        out = call.result(30)
+        assert sent[-1]["source"] is None and sent[-1]["source_id"] == 5 and call.defines_source == 0
+        assert all(torch.equal(p, w[n]) for n, p in model.named_parameters())
+        assert out["finalized"]["weight_version"] == "kept-2"
+        assert (out["finalized"]["update"]["pulls"], out["finalized"]["update"]["consistent"]) == (2, True)
+        st = rank.state.status()
+        assert (st["update_open"], st["updates"], st["weight_version"]) == (False, 1, "kept-2")
+        # A description never sent on this connection is refused before any byte moves.
+        with pytest.raises(KeyError, match="source 6 was never sent on this connection"):
+            link.send("pull", {"layout": 7, "names": None, "specs": None, "timeout": 10.0,
+                               "source": None, "source_id": 6}).result(30)
+        assert rank.state.status()["update_open"] is False
     finally:
         lanes.close()
 

@@ -77,26 +77,16 @@ def unfinished(calls: Sequence[Tuple[int, Any]]) -> List[Any]:
     return out + [c for _, c in calls if not isinstance(c, ray.ObjectRef) and not c.finished()]
 
 
-def call_ranks(
-    actors: Sequence[Any],
-    method: str,
-    *args,
-    timeout_s: float = RANK_CALL_TIMEOUT_S,
-    name_of: Callable[[int], Optional[str]] = lambda rank: None,
-) -> List[Any]:
-    """``actor.method(*args)`` on every actor; results in the actors' order."""
-    if not actors:
-        raise WeightSyncRankError(0, None, method, RuntimeError("no scheduler actors"), [])
-    calls = [(i, getattr(a, method).remote(*args)) for i, a in enumerate(actors)]
-    out = gather(calls, method, timeout_s, name_of)
-    return [out[i] for i in range(len(actors))]
-
-
 async def call_ranks_async(
     actors: Sequence[Any], method: str, *args, timeout_s: float = RANK_CALL_TIMEOUT_S
 ) -> List[Any]:
-    """:func:`call_ranks` from an event loop (the wait runs on a worker thread)."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(
-        None, lambda: call_ranks(actors, method, *args, timeout_s=timeout_s)
-    )
+    """``actor.method(*args)`` on every actor, from an event loop (the calls and
+    the wait run on a worker thread); results in the actors' order."""
+    if not actors:
+        raise WeightSyncRankError(0, None, method, RuntimeError("no scheduler actors"), [])
+
+    def call() -> List[Any]:
+        out = gather([(i, getattr(a, method).remote(*args)) for i, a in enumerate(actors)], method, timeout_s)
+        return [out[i] for i in range(len(actors))]
+
+    return await asyncio.get_running_loop().run_in_executor(None, call)

@@ -194,10 +194,7 @@ class RdtWeightSyncMixin(RankActorApi):
         return {"idle_sleep": self._rdt_idle_sleep}
 
     def _rank_labels(self) -> Dict[str, str]:
-        try:
-            cfg = self.get_parallelism_config()
-        except Exception:  # pragma: no cover - the runtime context is published first
-            cfg = {}
+        cfg = self.get_parallelism_config()
         return {k: str(cfg.get(k) or 0) for k in ("dp_rank", "pp_rank", "tp_rank")}
 
     def _exit_orphaned(self, why: str) -> None:

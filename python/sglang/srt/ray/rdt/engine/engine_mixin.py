@@ -46,8 +46,3 @@ class RdtEngineMixin:
 
     def abort_weight_sync(self, reason: str = "update aborted by the trainer") -> Dict[str, Any]:
         return self.loop.run_until_complete(self._weight_sync_session().abort(reason))
-
-    def weight_sync_status(self) -> Dict[str, Any]:
-        from sglang.srt.ray.rdt.engine.http_routes import full_status
-
-        return self.loop.run_until_complete(full_status(self._weight_sync_session()))

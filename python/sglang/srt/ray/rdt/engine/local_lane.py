@@ -89,7 +89,6 @@ class _Connection:
 
     def __init__(self):
         self.writer: Optional[Writer] = None
-        self.sender: Optional[str] = None
         self.layouts: Dict[int, tuple] = {}  # id -> (names, specs, plan key)
         self.sources: Dict[int, Any] = {}  # kept description id -> its description
         self.pulls: List[Future] = []  # answered by a worker once done (serving thread only)
@@ -255,7 +254,6 @@ class RankLane:
                 if pid is None:
                     return ("error", "this trainer process did not open the lane "
                                      "(open_weight_sync_lane)")
-                conn.sender = sender
                 conn.writer = Writer(f"process:{sender}", f"trainer process {pid} (same-node lane)")
                 return ("ok", {"pid": os.getpid()})
             if conn.writer is None:

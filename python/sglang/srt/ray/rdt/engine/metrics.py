@@ -71,18 +71,16 @@ def metric_factories(backend: str) -> Tuple[Callable[..., Any], Callable[..., An
 class RdtMetrics:
     """The metric set of one process. ``counter(name=, documentation=,
     labelnames=)`` and ``histogram(..., buckets=)`` build the metrics; they
-    default to the classes of ``backend`` (:func:`default_backend`)."""
+    default to the classes of :func:`default_backend`."""
 
-    def __init__(self, labels: Optional[Mapping[str, Any]] = None, *, backend: Optional[str] = None,
+    def __init__(self, labels: Optional[Mapping[str, Any]] = None, *,
                  counter: Optional[Callable[..., Any]] = None,
                  histogram: Optional[Callable[..., Any]] = None):
         if counter is None or histogram is None:
-            self.backend = backend or default_backend()
-            default_counter, default_histogram = metric_factories(self.backend)
-            counter = counter or default_counter
-            histogram = histogram or default_histogram
+            self.backend = default_backend()
+            counter, histogram = metric_factories(self.backend)
         else:
-            self.backend = backend or "custom"
+            self.backend = "custom"
         self._labels = {k: str(v) for k, v in (labels or {}).items()}
         names = list(self._labels)
 
@@ -109,13 +107,11 @@ class RdtMetrics:
         self._l(self.pulls).inc(1)
         self._l(self.pull_bytes).inc(float(stats.get("bytes", 0)))
         self._l(self.pull_tensors).inc(float(stats.get("tensors", 0)))
-        if stats.get("seconds") is not None:
-            self._l(self.pull_seconds).observe(float(stats["seconds"]))
+        self._l(self.pull_seconds).observe(float(stats["seconds"]))
 
-    def record_update(self, seconds: Optional[float] = None) -> None:
+    def record_update(self, seconds: float) -> None:
         self._l(self.updates).inc(1)
-        if seconds is not None:
-            self._l(self.update_seconds).observe(float(seconds))
+        self._l(self.update_seconds).observe(float(seconds))
 
     def record_failure(self, kind: str) -> None:
         if kind not in FAILURE_KINDS:
@@ -167,7 +163,7 @@ def record_pull(stats: Mapping[str, Any]) -> None:
     _safe("record_pull", stats)
 
 
-def record_update(seconds: Optional[float] = None) -> None:
+def record_update(seconds: float) -> None:
     """Count one finalized update (``seconds``: its duration on this rank)."""
     _safe("record_update", seconds)
 

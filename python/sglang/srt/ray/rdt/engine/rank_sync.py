@@ -103,7 +103,6 @@ class RankWeightSync:
         self.port = port
         self.device = device
         self.safe_point = safe_point
-        self.rank = rank
         self.transports = list(transports)
         self.state = RankUpdateState(param_names=lambda: self.receiver.param_names(), rank=rank,
                                      weight_version=port.weight_version)

@@ -21,8 +21,7 @@ from sglang.srt.ray.rdt.engine.plan import TensorSpec
 from sglang.srt.ray.rdt.engine.update_state import Writer
 from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.transport import compat, nixl_threads, same_node
-from sglang.srt.ray.rdt.transport.metadata import Targets
-from sglang.srt.ray.rdt.transport.metadata import MappingFailed, ReadResult
+from sglang.srt.ray.rdt.transport.metadata import MappingFailed, ReadResult, Targets
 
 logger = logging.getLogger(__name__)
 

@@ -75,9 +75,8 @@ class ServingLoop:
     wakes at once when one is queued, as sglang's idle wait does: an idle
     iteration costs no CPU and holds no GIL that a caller's thread needs)."""
 
-    def __init__(self, queue: SafePointQueue, iteration_s: float = IDLE_WAIT_S):
+    def __init__(self, queue: SafePointQueue):
         self.queue = queue
-        self.iteration_s = iteration_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rank-loop", daemon=True)
 
@@ -94,7 +93,7 @@ class ServingLoop:
             while not self._stop.is_set():
                 self.queue.run_pending(None)
                 # An idle iteration: poll for requests; a queued task ends the wait.
-                select.select([wake], [], [], self.iteration_s)
+                select.select([wake], [], [], IDLE_WAIT_S)
         finally:
             self.queue.loop_stopped()
 

@@ -43,9 +43,6 @@ class Writer:
     id: str
     label: str
 
-    def __str__(self) -> str:
-        return self.label
-
 
 @dataclass
 class _Update:

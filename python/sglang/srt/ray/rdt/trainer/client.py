@@ -128,8 +128,6 @@ class WeightSyncClient:
         self.ranks: List[RankInfo] = [RankInfo(i, a, n) for i, (a, n) in enumerate(zip(actors, names))]
         self.labels = [r.label() for r in self.ranks]
         self.url = url.rstrip("/") if url else None
-        self.engine = engine
-        self.device = device
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -148,7 +146,6 @@ class WeightSyncClient:
         self.layouts_book = buckets.LayoutBook()
         self.stuck: List[Any] = []  # flights of a failed update whose pulls never returned
         self.update_tags = itertools.count(1)  # names the slot tokens of each update
-        self.updates = 0
         self._staging = staging
         self._pool = None
         self._layouts: Optional[List[Dict[str, Dict[str, Any]]]] = None
@@ -344,7 +341,6 @@ class WeightSyncClient:
             stats = Update(self, None if version is None else str(version),
                            int(bucket_bytes or self.bucket_bytes), strict, flush_cache,
                            progress).run(named_tensors)
-            self.updates += 1
             logger.info("[RDT] update: %s", stats.summary())
             return stats
         finally:

@@ -26,7 +26,6 @@ runs it when the update ends).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
 import logging
 import struct
@@ -36,7 +35,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from sglang.srt.ray.rdt.errors import WeightSyncError, dtype_name
+from sglang.srt.ray.rdt.errors import WeightSyncError, close_names, dtype_name
 from sglang.srt.ray.rdt.trainer.buckets import group_ranks
 
 logger = logging.getLogger(__name__)
@@ -252,10 +251,9 @@ class HFResharder:
                 raise WeightSyncError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
             spec = expected.get(name)
             if spec is None:
-                close = difflib.get_close_matches(name, list(expected), n=3)
-                raise WeightSyncError(f"{name!r} is not a tensor of the checkpoint at {self.model_path!r}"
-                                      + (f" (close: {close})" if close else "")
-                                      + "; HF-format updates take the checkpoint's names")
+                raise WeightSyncError(f"{name!r} is not a tensor of the checkpoint at {self.model_path!r} "
+                                      f"({close_names(name, expected)}); HF-format updates take the "
+                                      "checkpoint's names")
             if tuple(t.shape) != spec.shape:
                 raise WeightSyncError(f"{name!r}: shape {tuple(t.shape)} does not match the checkpoint's "
                                       f"{spec.shape} (HF-format updates take full, unsharded tensors)")

@@ -43,44 +43,38 @@ class BucketSender:
     """Double-buffered, NIXL-registered bucket slots in one process on
     ``device``; ``register=False``: without NIXL."""
 
-    def __init__(self, device: str = "cpu", num_slots: int = NUM_SLOTS, *, register: bool = True):
-        if num_slots < 1:
-            raise ValueError("num_slots must be >= 1")
+    def __init__(self, device: str = "cpu", *, register: bool = True):
         self._device = torch.device(device)
-        self._num_slots = num_slots
         self._register = register
-        self._slots: List[Optional[torch.Tensor]] = [None] * num_slots
-        self._in_flight: List[Optional[str]] = [None] * num_slots
+        self._slots: List[Optional[torch.Tensor]] = [None] * NUM_SLOTS
+        self._in_flight: List[Optional[str]] = [None] * NUM_SLOTS
         self._pool = None  # the staging pool the slots live in (CUDA)
         self._closed = False
-        self.stats: Dict[str, int] = {"fills": 0, "bytes": 0, "allocations": 0, "puts": 0}
+        self.stats: Dict[str, int] = {"fills": 0, "allocations": 0, "puts": 0}
 
     @property
     def slot_bytes(self) -> int:
         buf = self._slots[0]
         return 0 if buf is None else buf.numel()
 
-    def _check_slot(self, slot: int) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise BucketSenderError("the bucket sender is closed")
-        if not 0 <= slot < self._num_slots:
-            raise ValueError(f"slot {slot} out of range (0..{self._num_slots - 1})")
 
     def prepare(self, slot_bytes: int) -> Dict[str, Any]:
         """Slots of at least ``slot_bytes``; re-allocates only to grow (the
         caller made the ranks release their mappings of the old slots first)."""
-        if self._closed:
-            raise BucketSenderError("the bucket sender is closed")
+        self._check_open()
         if slot_bytes > self.slot_bytes:
             if any(self._in_flight):
                 raise BucketInFlightError(f"cannot grow the slots while {self._in_flight} are in flight")
             self._free_slots()
             if self._device.type == "cuda" and self._pool is None:
                 self._pool = staging.acquire(self._device)
-            for i in range(self._num_slots):
+            for i in range(NUM_SLOTS):
                 self._slots[i] = self._allocate(slot_bytes)
-            self.stats["allocations"] += self._num_slots
-        return {"slot_bytes": self.slot_bytes, "slots": self._num_slots}
+            self.stats["allocations"] += NUM_SLOTS
+        return {"slot_bytes": self.slot_bytes, "slots": NUM_SLOTS}
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         with self._pool.allocating() if self._pool is not None else contextlib.nullcontext():
@@ -114,7 +108,7 @@ class BucketSender:
         mark the slot in flight under ``token``. Returns per region ``(ref,
         description)``: a ref put with ``ref_transport`` (if given) and a
         same-node description for the lanes (if ``local``)."""
-        self._check_slot(slot)
+        self._check_open()
         if self._in_flight[slot] is not None:
             raise BucketInFlightError(
                 f"slot {slot} is still being read (held by {self._in_flight[slot]!r}); "
@@ -145,7 +139,6 @@ class BucketSender:
             ref = self._put(vs, ref_transport) if ref_transport else None
             out.append((ref, same_node.export(vs) if local else None))
         self.stats["fills"] += 1
-        self.stats["bytes"] += sum(v.nbytes for v in flat_views)
         return out
 
     def _put(self, views, transport: str):
@@ -168,7 +161,7 @@ class BucketSender:
 
     def release(self, slot: int, token: str) -> None:
         """Mark ``slot`` free again; ``token`` must be the one it was filled with."""
-        self._check_slot(slot)
+        self._check_open()
         if self._in_flight[slot] != token:
             held = self._in_flight[slot]
             raise BucketSenderError(f"release of slot {slot} with token {token!r}, but it is "
@@ -202,7 +195,7 @@ class SenderLink:
 
     def call(self, method: str, *args):
         if self.sender is None:
-            self.sender = BucketSender(self.device, NUM_SLOTS)
+            self.sender = BucketSender(self.device)
         try:
             return getattr(self.sender, method)(*args)
         except BucketSenderError as e:

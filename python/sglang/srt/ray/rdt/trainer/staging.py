@@ -16,15 +16,12 @@ once the ranks let go of it.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from typing import Dict, Iterator, Optional, Set
 
 import torch
 
 from sglang.srt.ray.rdt.transport import same_node
-
-logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()  # guards the per-device pools and their users
 _pools: Dict[int, "StagingPool"] = {}  # device index -> this process's pool
@@ -60,22 +57,9 @@ class StagingPool:
         return False
 
 
-def available() -> Optional[str]:
-    """None when this PyTorch can keep a staging pool, else why not."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not hasattr(torch.cuda, "MemPool") or not hasattr(torch.cuda, "use_mem_pool"):
-        return f"torch {torch.__version__} has no torch.cuda.MemPool"
-    return None
-
-
-def acquire(device) -> Optional[StagingPool]:
-    """This process's pool on ``device`` (made on first use), or None when
-    PyTorch cannot keep one; pair with :func:`release`."""
-    why = available()
-    if why is not None:
-        logger.info("[RDT] no staging pool (%s): ranks map the trainer's tensors every update", why)
-        return None
+def acquire(device) -> StagingPool:
+    """This process's pool on CUDA ``device`` (made on first use); pair with
+    :func:`release`."""
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     with _lock:

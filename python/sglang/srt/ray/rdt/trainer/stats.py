@@ -24,7 +24,6 @@ class BucketStats:
     # the pulls were sent and the last answer came, and the slowest rank's
     # pull_start, pull_end and copy_seconds: where a step's time went.
     sent_at: float = 0.0
-    answered_at: float = 0.0
     rank_timing: Dict[str, float] = field(default_factory=dict)
 
 

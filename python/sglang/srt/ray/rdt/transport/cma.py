@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from sglang.srt.ray.rdt.transport.metadata import CmaPart, MappingFailed, ReadResult, addresses, part_bytes
+from sglang.srt.ray.rdt.transport.metadata import CmaPart, MappingFailed, ReadResult, addresses
 
 # Linux caps one call at IOV_MAX (1024) iovecs per side.
 IOV_MAX = 1024
@@ -242,7 +242,7 @@ class CmaPath:
         ``copy=False``: only check that they can be read."""
         t0 = time.perf_counter()
         targets.check(part.nbytes)
-        res = ReadResult("cma", len(targets.tensors), part_bytes(part.nbytes), 0.0,
+        res = ReadResult("cma", len(targets.tensors), int(part.nbytes.sum()), 0.0,
                          method="process_vm_readv")
         copies = merge_copies(targets.ptrs, part.address, part.nbytes)
         if copies:

@@ -83,13 +83,6 @@ def transport_manager(name: str):
     return get_tensor_transport_manager(name)
 
 
-def transport_registered(name: str) -> bool:
-    """Whether tensor transport ``name`` is registered in this process."""
-    from ray.experimental.rdt import util
-
-    return name in util.transport_manager_info
-
-
 def register_transport(name: str, devices, manager_class: type, data_type: type) -> None:
     """Register a custom tensor transport in this process (idempotent; Ray's
     own push of it to a new actor may have registered it already)."""

@@ -33,7 +33,7 @@ import torch
 from sglang.srt.ray.rdt.transport import cuda_driver
 from sglang.srt.ray.rdt.transport.cma import pid_alive
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, device_uuid, local_ordinal_of
-from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, Targets, addresses, part_bytes
+from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, Targets, addresses
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class CudaIpcReader:
         targets.check(part.nbytes)
         dst_ord = device.index if device.index is not None else torch.cuda.current_device()
         src_ord = self.ordinal(part.device_uuid)
-        res = ReadResult("cuda_ipc", len(targets.tensors), part_bytes(part.nbytes), 0.0)
+        res = ReadResult("cuda_ipc", len(targets.tensors), int(part.nbytes.sum()), 0.0)
         transient: List[int] = []
         stream = torch.cuda.current_stream(dst_ord)
         with self.lock:

@@ -127,6 +127,3 @@ def addresses(tensors, nbytes=None) -> Tuple[np.ndarray, np.ndarray]:
         nbytes = [t.nbytes for t in tensors]
     return ptrs, np.array(nbytes, np.int64)
 
-
-def part_bytes(nbytes: np.ndarray) -> int:
-    return int(nbytes.sum()) if len(nbytes) else 0

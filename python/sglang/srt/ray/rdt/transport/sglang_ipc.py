@@ -13,17 +13,16 @@ itself (idempotent), and the creator calls it before creating the actors.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, List
 
 import torch
 
 from sglang.srt.ray.rdt.transport import compat, nixl_threads, same_node
-from sglang.srt.ray.rdt.transport.metadata import Targets
 from sglang.srt.ray.rdt.transport.metadata import (
     IpcCommunicatorMetadata,
     MappingFailed,
     SglangIpcTransportMetadata,
+    Targets,
 )
 
 logger = logging.getLogger(__name__)
@@ -122,14 +121,8 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
         self._nixl().abort_transport(obj_id, compat.nixl_communicator_metadata())
 
 
-_register_lock = threading.Lock()  # registration with Ray, once per process
-
-
 def register() -> str:
     """Register the transport in this process (idempotent); returns its name. Call
     it before creating the actors, and in every actor that puts or gets with it."""
-    if compat.transport_registered(TRANSPORT_NAME):
-        return TRANSPORT_NAME
-    with _register_lock:
-        compat.register_transport(TRANSPORT_NAME, ["cuda", "cpu"], SglangIpcTransport, torch.Tensor)
+    compat.register_transport(TRANSPORT_NAME, ["cuda", "cpu"], SglangIpcTransport, torch.Tensor)
     return TRANSPORT_NAME

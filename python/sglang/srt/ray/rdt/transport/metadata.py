@@ -9,10 +9,10 @@ Per-tensor fields are numpy arrays: thousands of tensors cost one buffer each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import methodcaller
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
+import torch
 
 from sglang.srt.ray.rdt.transport.compat import transport_base_classes
 
@@ -122,7 +122,8 @@ class Targets:
 
 def addresses(tensors, nbytes=None) -> Tuple[np.ndarray, np.ndarray]:
     """``tensors``' data addresses and sizes (``nbytes``: the sizes, when known)."""
-    ptrs = np.fromiter(map(methodcaller("data_ptr"), tensors), np.int64, len(tensors))
+    # (torch's own method, unbound: half the cost of looking it up on each tensor)
+    ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors))
     if nbytes is None:
         nbytes = [t.nbytes for t in tensors]
     return ptrs, np.array(nbytes, np.int64)

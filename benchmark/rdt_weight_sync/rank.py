@@ -1,7 +1,7 @@
 """The benchmark's rollout rank: the product's own standalone rank, plus what a
 benchmark needs around it (poison and check every byte, memory, the peer path).
 
-:class:`BenchRank` *is* :class:`sglang.srt.ray.rdt.engine.standalone.StandaloneRank`
+:class:`BenchRank` *is* :class:`sglang.test.rdt_standalone.StandaloneRank`
 — the SchedulerActor's weight-sync API over the rank core, its pulls hopping
 to a serving-loop thread through the same safe-point queue sglang's event loop
 serves — around a model whose parameters are the workload's tensors.
@@ -17,7 +17,7 @@ import ray
 import torch
 
 from patterns import Pattern
-from sglang.srt.ray.rdt.engine.standalone import StandaloneRank
+from sglang.test.rdt_standalone import StandaloneRank
 
 # The SchedulerActor's Ray options (actor_options.RDT_ACTOR_MAX_CONCURRENCY).
 RANK_MAX_CONCURRENCY = 8

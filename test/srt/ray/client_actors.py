@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import ray
 import torch
 
-from sglang.srt.ray.rdt.engine.standalone import ModelPort, StandaloneRank
+from sglang.test.rdt_standalone import ModelPort, StandaloneRank
 
 
 def deep_model(seed: int = 0, width: int = 32, depth: int = 6) -> torch.nn.Module:

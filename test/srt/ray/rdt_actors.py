@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import ray
 import torch
 
-from sglang.srt.ray.rdt.engine.standalone import StandaloneRank
+from sglang.test.rdt_standalone import StandaloneRank
 
 
 def checksum(tensors: Dict[str, torch.Tensor]) -> Dict[str, str]:

@@ -372,7 +372,7 @@ def test_sglangs_own_weight_loads_make_the_rank_walk_the_model_again():
     from sglang.srt.managers.scheduler_components.weight_updater import (
         SchedulerWeightUpdaterManager,
     )
-    from sglang.srt.ray.rdt.engine.standalone import standalone_rank
+    from sglang.test.rdt_standalone import standalone_rank
 
     model = torch.nn.Linear(4, 2)
     sync = standalone_rank(model, rank="t")

@@ -24,7 +24,7 @@ from conftest import wait_until
 
 from sglang.srt.ray.rdt import lane_wire
 from sglang.srt.ray.rdt.engine.local_lane import DIR_PREFIX, remove_dead_lanes
-from sglang.srt.ray.rdt.engine.standalone import standalone_rank
+from sglang.test.rdt_standalone import standalone_rank
 from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
 from sglang.srt.ray.rdt.lane_wire import FRAME, recv_frame, send_frame
 from sglang.srt.ray.rdt.ranks import gather, unfinished

@@ -1,6 +1,6 @@
 """The rank core (rdt/engine/rank_sync.py) around a plain model: the same code a
 SchedulerActor runs, driven through its scheduler-facing port
-(rdt/engine/standalone.py). Pulls here come from in-memory sources through
+(sglang/test/rdt_standalone.py). Pulls here come from in-memory sources through
 ``pull_sources`` (the lane's entry, the same path as ``pull_weights`` after
 the refs are turned into sources); pulls of real RDT refs are in
 test_receiver_faults.py and the server tests."""
@@ -20,7 +20,7 @@ from conftest import TRAINER, MemorySource, wait_until
 from sglang.srt.ray.rdt import gc_pause
 from sglang.srt.ray.rdt.engine.rank_sync import NOT_PAUSED, RankStatus, failure_kind
 from sglang.srt.ray.rdt.engine.receiver import GC_HOLDER
-from sglang.srt.ray.rdt.engine.standalone import standalone_rank
+from sglang.test.rdt_standalone import standalone_rank
 from sglang.srt.ray.rdt.engine.update_state import Writer
 from sglang.srt.ray.rdt.errors import (
     WeightsInconsistentError,

@@ -292,7 +292,7 @@ from rdt_actors import ToyTrainer, toy_model  # noqa: E402
 @ray.remote(num_cpus=0, max_concurrency=4, enable_tensor_transport=True)
 class CoreRank:
     def __init__(self):
-        from sglang.srt.ray.rdt.engine.standalone import standalone_rank
+        from sglang.test.rdt_standalone import standalone_rank
         from sglang.srt.ray.rdt.transport import sglang_ipc
 
         self.model = toy_model(0)

@@ -20,7 +20,7 @@ from typing import Any, Dict, List
 import ray
 import torch
 
-from sglang.srt.ray.rdt.engine.standalone import StandaloneRank
+from sglang.test.rdt_standalone import StandaloneRank
 
 
 def pattern(numel: int, seed: int, index: int, device="cpu") -> torch.Tensor:

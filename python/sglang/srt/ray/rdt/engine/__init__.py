@@ -6,8 +6,8 @@
   and NIXL registration (:mod:`.registration`);
 - :mod:`.update_state`: the one owner of a rank's update state;
 - :mod:`.local_lane`: same-node requests without Ray;
-- :mod:`.actor_mixin`: the rank actor API; :mod:`.standalone`: the same API
-  around a plain model;
+- :mod:`.actor_mixin`: the rank actor API (``sglang.test.rdt_standalone``:
+  the same API around a plain model, for tests and benchmarks);
 - :mod:`.session`, :mod:`.http_routes`, :mod:`.engine_mixin`: the engine-wide
   update session; :mod:`.metrics`: a rank's Prometheus metrics.
 

@@ -14,7 +14,7 @@ finalize run on the scheduler's own thread between loop iterations.
 
 :class:`RdtWeightSyncMixin` is what an engine started with
 ``--enable-rdt-weight-sync`` adds to sglang's SchedulerActor
-(``scheduler_actor.py``); the standalone rank (``standalone.py``) has the same
+(``scheduler_actor.py``); the standalone rank (``sglang/test/rdt_standalone.py``) has the same
 API over a plain model.
 """
 

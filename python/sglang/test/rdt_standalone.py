@@ -1,11 +1,13 @@
-"""The rank core and its actor API around a plain PyTorch model, without sglang's scheduler.
+"""RDT weight sync's rank core and its actor API around a plain PyTorch model,
+without sglang's scheduler: test and benchmark support.
 
-:class:`ModelPort` is a :class:`~.scheduler_port.SchedulerPort` over an
-``nn.Module`` with its own pause/session flags, and :class:`ServingLoop` a
-thread that serves the safe-point queue between "iterations" as sglang's
-event loop does: :class:`~.rank_sync.RankWeightSync` runs the
-SchedulerActor's pull path over them, and :class:`StandaloneRank` has the
-SchedulerActor's weight-sync API (the GPU benchmark's and the tests' rank).
+:class:`ModelPort` is a ``sglang.srt.ray.rdt.engine.scheduler_port.SchedulerPort``
+over an ``nn.Module`` with its own pause/session flags, and
+:class:`ServingLoop` a thread that serves the safe-point queue between
+"iterations" as sglang's event loop does: the product's ``RankWeightSync``
+runs the SchedulerActor's pull path over them, and :class:`StandaloneRank`
+has the SchedulerActor's weight-sync API (``RankActorApi``): the rank of the
+GPU benchmark (``benchmark/rdt_weight_sync``) and of the tests.
 """
 
 from __future__ import annotations

@@ -213,8 +213,15 @@ def start_server(
     timeout: float = 480,  # generous: a loaded 2-core box starts slowly
     env: Optional[Dict[str, str]] = None,
     port: Optional[int] = None,
+    idle_sleep: bool = True,
 ) -> Server:
+    """A CPU server from the real CLI. ``idle_sleep``: its scheduler sleeps
+    while idle (sglang's ``--sleep-on-idle``; a test server idles most of its
+    life, and two idle schedulers spinning would take both cores of the CI
+    box); False keeps sglang's default busy idle loop."""
     port = port or free_port()
+    if idle_sleep and "--sleep-on-idle" not in extra_args:
+        extra_args = [*extra_args, "--sleep-on-idle"]
     if (
         {"--enable-rdt-weight-sync", "--enable-engine-info-bootstrap"} & set(extra_args)
         and "--engine-info-bootstrap-port" not in extra_args

@@ -40,6 +40,7 @@ def server(ray_head, ray_client, tiny_model, tmp_path_factory):
         ["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", ray_head.namespace,
          "--enable-metrics"],
         tmp_path_factory.mktemp("miles-server"),
+        idle_sleep=False,  # miles' own flags: sglang's default idle loop
     )
     yield s
     s.terminate()

@@ -245,8 +245,8 @@ class RankLane:
         try:
             op, kw = pickle.loads(payload)
             self.calls += 1
-            if op != "pull":
-                conn.settle()  # ordered after the pulls sent before it
+            if op != "pull" or kw.get("finalize") is not None:
+                conn.settle()  # ordered after the pulls sent before it (a pull that ends the update too)
             if op == "hello":
                 sender = str(kw["sender"])
                 with self._lock:

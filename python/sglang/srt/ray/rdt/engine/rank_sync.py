@@ -174,9 +174,9 @@ class RankWeightSync:
     def pull_sources(self, sources, names, timeout: Optional[float] = None, key: Any = None,
                      finalize: Optional[Dict[str, Any]] = None):
         """A lane request's pull (:mod:`.local_lane`), the same way;
-        ``finalize`` (``{"weight_version", "flush_cache"}``): the update's last
-        pull, sent by its only writer: the update ends right after it, in the
-        same turn of the scheduler (the result's ``"finalized"``)."""
+        ``finalize`` (``{"weight_version", "flush_cache"}``): the update's
+        only pull, from its only writer: the update ends right after it, in
+        the same turn of the scheduler (the result's ``"finalized"``)."""
         return self._pull(lambda: sources, names, timeout, key, finalize)
 
     def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None,

@@ -12,9 +12,9 @@ slot is refilled only after every rank's pull of it returned; an iterator
 read in place has at most two buckets' worth of its tensors alive.
 The engine's update session opens right before the first step goes out.
 
-**Finish.** End the session with the new ``weight_version`` (one rank over
-its lane, in an update the caller paused for: its last pull ends it). On any
-failure: wait (bounded) for pulls still reading, abort the session, raise.
+**Finish.** End the session with the new ``weight_version`` (one pull to one
+rank over its lane, in an update the caller paused for: that pull ends it). On
+any failure: wait (bounded) for pulls still reading, abort the session, raise.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Update:
     group_bytes: int = 0
     wait_s: float = 0.0
     total: Optional[int] = None  # steps of a mapping (an iterator's: unknown)
-    ends_with_pull: bool = False  # the last pull ends the update (see run)
+    ends_with_pull: bool = False  # its one pull ends the update (see run)
 
     # -- plan ------------------------------------------------------------------ #
     def run(self, named) -> UpdateStats:
@@ -111,10 +111,11 @@ class Update:
                         buckets.check_strict(payload.keys(), c.parameter_layouts()[r], c.labels[r])
             self.total = len(planned)
             steps = iter(planned)
-            # One rank, reached over its lane, in an update the caller paused
-            # for: nobody else has to agree before it ends, so its last pull
-            # ends it too (one round trip and one turn of the scheduler less).
-            self.ends_with_pull = (len(c.ranks) == 1 and 0 in self.route.lanes
+            # One pull to one rank, over its lane, in an update the caller
+            # paused for: nobody else has to agree and no other pull of the
+            # update can still be on its way, so that pull ends the update too
+            # (one round trip and one turn of the scheduler less).
+            self.ends_with_pull = (self.total == 1 and len(c.ranks) == 1 and 0 in self.route.lanes
                                    and isinstance(c.session, CallerPausedSession))
         try:
             self._transfer(steps)
@@ -182,7 +183,7 @@ class Update:
         timeout = c.pull_timeout_s
         flight.sent_at = time.perf_counter()
         finalize = None
-        if self.ends_with_pull and index == self.total - 1:
+        if self.ends_with_pull:  # (its one step)
             finalize = {"weight_version": self.version, "flush_cache": self.flush_cache}
         for (rg, group), (ref, meta) in zip(step, flight.sources):
             for r in self.rank_groups[rg]:
@@ -278,7 +279,7 @@ class Update:
                 for r in self.rank_groups[rg]:
                     buckets.check_strict(names, c.parameter_layouts()[r], c.labels[r])
         if self.ends_with_pull:
-            return  # ended by the last pull
+            return  # ended by its pull
         t0 = time.perf_counter()
         c.session.end(self.session_id, self.version, self.flush_cache)
         self.end_seconds = time.perf_counter() - t0

@@ -35,6 +35,7 @@ def server(ray_head, tiny_model, tmp_path_factory):
         tiny_model, ray_head,
         ["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", ray_head.namespace],
         tmp_path_factory.mktemp("call-cost-server"),
+        idle_sleep=False,  # sglang's default idle loop: what the paused-loop test looks at
     )
     yield s
     s.terminate()

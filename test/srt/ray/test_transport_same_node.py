@@ -375,16 +375,16 @@ def test_a_segment_freed_and_allocated_again_gets_a_new_handle(fake_cuda):
 
 def test_a_larger_segment_at_a_known_address_replaces_what_it_overlaps(fake_cuda):
     drv = fake_cuda
-    small = drv.alloc(4096)
+    big = torch.zeros(16384, dtype=torch.uint8)
+    small = big[:4096]  # a 4 KiB segment at the start of what becomes a 16 KiB one
+    drv.segments[small.data_ptr()] = [4096, next(drv.ids), small]
     exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
     exporter.export([_view(small, 0, 64)], 1, "node-a")
     # The allocator gave the address range a bigger segment since: a tensor
     # past the old end is looked up, and only the new segment is exported.
     base = small.data_ptr()
-    big = torch.zeros(16384, dtype=torch.uint8)
     drv.segments = {base: [16384, next(drv.ids), big]}
-    tensor = types.SimpleNamespace(data_ptr=lambda: base + 8192, nbytes=256)
-    part = exporter.export([tensor], 1, "node-a")
+    part = exporter.export([_view(big, 8192, 256)], 1, "node-a")
     assert part.segments == [(base, 16384, drv.handle(base), False)]
     assert part.offset.tolist() == [8192]
 

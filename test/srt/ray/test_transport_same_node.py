@@ -36,7 +36,7 @@ from sglang.srt.ray.rdt.transport.cma import (
 )
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, chunk_table
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader
-from sglang.srt.ray.rdt.transport.metadata import CmaPart, IpcPart, MappingFailed, Targets
+from sglang.srt.ray.rdt.transport.metadata import CmaPart, IpcPart, MappingFailed, Targets, addresses
 
 MiB = 1 << 20
 
@@ -324,6 +324,10 @@ def fake_cuda(monkeypatch):
     assert drv.contexts == [], "a context pushed was not popped"
 
 
+def _export(exporter, tensors, ordinal, node_id, check=None):
+    return exporter.export(*addresses(tensors), ordinal, node_id, check)
+
+
 def _view(storage, offset, nbytes):
     return storage[offset: offset + nbytes]
 
@@ -338,7 +342,7 @@ def test_exporter_asks_the_driver_once_per_segment_and_finds_it_again_by_address
     a, b = drv.alloc(4096), drv.alloc(8192)
     tensors = [_view(a, 0, 1000), _view(a, 1024, 2000), _view(b, 512, 4096)]
     exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
-    part = exporter.export(tensors, 1, "node-a")
+    part = _export(exporter, tensors, 1, "node-a")
     assert (part.sender, part.pid, part.node_id, part.device_uuid) == ("sender", os.getpid(), "node-a",
                                                                       SENDER_GPU)
     assert part.segments == sorted([(a.data_ptr(), 4096, drv.handle_of(a), False),
@@ -351,8 +355,8 @@ def test_exporter_asks_the_driver_once_per_segment_and_finds_it_again_by_address
     # The same tensors again, and new tensors in the same segments: found by
     # address; each segment's allocation id is checked, no handle asked.
     drv.calls.clear()
-    exporter.export(tensors, 1, "node-a")
-    again = exporter.export([_view(b, 0, 16), _view(a, 4000, 96)], 1, "node-a")
+    _export(exporter, tensors, 1, "node-a")
+    again = _export(exporter, [_view(b, 0, 16), _view(a, 4000, 96)], 1, "node-a")
     assert drv.calls["address_range"] == drv.calls["ipc_handle"] == 0
     assert drv.calls["buffer_id"] == 4  # 2 segments x 2 exports
     assert [s[0] for s in again.segments] == sorted([a.data_ptr(), b.data_ptr()])
@@ -362,11 +366,11 @@ def test_a_segment_freed_and_allocated_again_gets_a_new_handle(fake_cuda):
     drv = fake_cuda
     a, b = drv.alloc(4096), drv.alloc(4096)
     exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
-    first = exporter.export([_view(a, 0, 64), _view(b, 0, 64)], 1, "node-a")
+    first = _export(exporter, [_view(a, 0, 64), _view(b, 0, 64)], 1, "node-a")
     old = dict((s[0], s[2]) for s in first.segments)
     drv.reallocate(a)  # same address, same size: another allocation
     drv.calls.clear()
-    second = exporter.export([_view(a, 0, 64), _view(b, 0, 64)], 1, "node-a")
+    second = _export(exporter, [_view(a, 0, 64), _view(b, 0, 64)], 1, "node-a")
     new = dict((s[0], s[2]) for s in second.segments)
     assert new[a.data_ptr()] == drv.handle_of(a) != old[a.data_ptr()]
     assert new[b.data_ptr()] == old[b.data_ptr()]
@@ -379,12 +383,12 @@ def test_a_larger_segment_at_a_known_address_replaces_what_it_overlaps(fake_cuda
     small = big[:4096]  # a 4 KiB segment at the start of what becomes a 16 KiB one
     drv.segments[small.data_ptr()] = [4096, next(drv.ids), small]
     exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
-    exporter.export([_view(small, 0, 64)], 1, "node-a")
+    _export(exporter, [_view(small, 0, 64)], 1, "node-a")
     # The allocator gave the address range a bigger segment since: a tensor
     # past the old end is looked up, and only the new segment is exported.
     base = small.data_ptr()
     drv.segments = {base: [16384, next(drv.ids), big]}
-    part = exporter.export([_view(big, 8192, 256)], 1, "node-a")
+    part = _export(exporter, [_view(big, 8192, 256)], 1, "node-a")
     assert part.segments == [(base, 16384, drv.handle(base), False)]
     assert part.offset.tolist() == [8192]
 
@@ -401,12 +405,12 @@ def test_kept_segments_are_not_checked_again_until_forgotten(fake_cuda):
     keepers = {1: holds}  # GPU 1 has a staging pool (same_node.set_keeper)
     exporter = CudaIpcExporter("sender", keepers.get)
     tensors = [_view(pool, 0, 64), _view(loose, 0, 64)]
-    part = exporter.export(tensors, 1, "node-a")
+    part = _export(exporter, tensors, 1, "node-a")
     assert {s[0]: s[3] for s in part.segments} == {pool.data_ptr(): True, loose.data_ptr(): False}
     assert sorted(keeper_asked) == sorted([pool.data_ptr(), loose.data_ptr()])  # once per segment
     drv.asked.clear()
     for _ in range(3):
-        exporter.export(tensors, 1, "node-a")
+        _export(exporter, tensors, 1, "node-a")
     assert drv.asked == Counter({loose.data_ptr(): 3})  # the kept one is never re-checked
     assert len(keeper_asked) == 2
 
@@ -415,10 +419,10 @@ def test_kept_segments_are_not_checked_again_until_forgotten(fake_cuda):
     keepers.clear()
     exporter.forget_kept(1)
     drv.calls.clear()
-    part = exporter.export(tensors, 1, "node-a")
+    part = _export(exporter, tensors, 1, "node-a")
     assert drv.calls["ipc_handle"] == 1 and all(not s[3] for s in part.segments)
     drv.asked.clear()
-    exporter.export(tensors, 1, "node-a")
+    _export(exporter, tensors, 1, "node-a")
     assert drv.asked == Counter({loose.data_ptr(): 1, pool.data_ptr(): 1})
 
 
@@ -431,19 +435,19 @@ def test_tensors_wholly_in_kept_memory_at_known_addresses_are_described_without_
     pool, loose = drv.alloc(8192), drv.alloc(4096)
     keepers = {1: lambda base: base == pool.data_ptr()}
     exporter = CudaIpcExporter("sender", keepers.get)
-    first = exporter.export([_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
+    first = _export(exporter, [_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
     drv.calls.clear()
     drv.asked.clear()
-    again = exporter.export([_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
+    again = _export(exporter, [_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
     assert again is first and not drv.calls and not drv.asked
-    other = exporter.export([_view(pool, 0, 64), _view(pool, 4096, 16)], 1, "node-a")  # another size
+    other = _export(exporter, [_view(pool, 0, 64), _view(pool, 4096, 16)], 1, "node-a")  # another size
     assert other is not first and list(other.nbytes) == [64, 16]
     mixed = [_view(pool, 0, 64), _view(loose, 0, 64)]
-    assert exporter.export(mixed, 1, "node-a") is not exporter.export(mixed, 1, "node-a")
+    assert _export(exporter, mixed, 1, "node-a") is not _export(exporter, mixed, 1, "node-a")
     keepers.clear()
     exporter.forget_kept(1)
     drv.calls.clear()
-    fresh = exporter.export([_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
+    fresh = _export(exporter, [_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
     assert fresh is not first and drv.calls["ipc_handle"] == 1 and not fresh.segments[0][3]
 
 
@@ -454,7 +458,7 @@ def test_exporter_gives_up_on_segments_that_keep_changing(fake_cuda, monkeypatch
     monkeypatch.setattr(drv, "buffer_id", lambda base: next(ids))  # a new allocation every look
     exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
     with pytest.raises(CudaDriverError, match="keep changing"):
-        exporter.export([_view(a, 0, 64)], 1, "node-a")
+        _export(exporter, [_view(a, 0, 64)], 1, "node-a")
 
 
 # -- reader ------------------------------------------------------------------ #

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import itertools
 import sys
-from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from sglang.srt.ray.rdt.errors import WeightSyncError, close_names, dtype_name
+from sglang.srt.ray.rdt.transport import tensor_scan
+from sglang.srt.ray.rdt.transport.tensor_scan import Scan
 
 # Offsets inside a slot are multiples of this (every dtype's alignment, a cache line).
 ALIGN = 256
@@ -107,25 +109,19 @@ class Group:
     index: int
     names: List[str] = field(default_factory=list)
     tensors: List[torch.Tensor] = field(default_factory=list)
-    shapes: List[torch.Size] = field(default_factory=list)
-    dtypes: List[torch.dtype] = field(default_factory=list)
-    sizes: Optional[List[int]] = field(default_factory=list)  # each tensor's bytes (None: not yet)
+    scan: Optional[Scan] = None  # what the tensors are (set once the group is complete)
     nbytes: int = 0
     layout: int = -1  # its layout id (LayoutBook)
 
     def specs(self) -> List[Tuple[Tuple[int, ...], torch.dtype]]:
-        return [(tuple(s), d) for s, d in zip(self.shapes, self.dtypes)]
-
-
-_NBYTES, _SHAPE, _DTYPE = attrgetter("nbytes"), attrgetter("shape"), attrgetter("dtype")
+        return list(zip(self.scan.shapes(), self.scan.dtypes()))
 
 
 def cut(items, group_bytes: int) -> Iterator[Group]:
     """Cut ``(name, tensor)`` pairs (or a mapping's), in order, into groups
     of at most ``group_bytes`` (a larger tensor gets a group of its own),
-    each handed out as soon as it is complete; each tensor is checked as it
-    passes. A mapping's tensors are looked at all at once (thousands of MoE
-    experts cost a few C-level passes, not a Python step each)."""
+    each handed out as soon as it is complete and looked at in one call
+    (:func:`~sglang.srt.ray.rdt.transport.tensor_scan.scan`)."""
     if group_bytes <= 0:
         raise ValueError(f"group_bytes must be positive, got {group_bytes}")
     if isinstance(items, Mapping):
@@ -137,35 +133,42 @@ def cut(items, group_bytes: int) -> Iterator[Group]:
             t = _checked(name, t)
         n = t.nbytes
         if current.names and current.nbytes + n > group_bytes:
-            yield current
+            yield _scanned(current)
             current = Group(current.index + 1)
         current.names.append(name)
         current.tensors.append(t)
-        current.shapes.append(t.shape)
-        current.dtypes.append(t.dtype)
-        current.sizes.append(n)
         current.nbytes += n
     if current.names:
-        yield current
+        yield _scanned(current)
     elif current.index == 0:
         raise WeightSyncError("empty update: no tensors were given")
+
+
+def _scanned(group: Group) -> Group:
+    group.scan = _scan(group.names, group.tensors)
+    return group
+
+
+def _scan(names: List[str], tensors: List[torch.Tensor]) -> Scan:
+    try:
+        return tensor_scan.scan(tensors)
+    except tensor_scan.NotATensor as e:
+        _checked(names[e.index], tensors[e.index])  # (raises, naming it)
+        raise
 
 
 def _cut_all(names: List[str], tensors: List[torch.Tensor], group_bytes: int) -> Iterator[Group]:
     if not names:
         raise WeightSyncError("empty update: no tensors were given")
-    if set(map(type, tensors)) != {torch.Tensor}:  # (a tensor's autograd state does not matter here)
-        tensors = [_checked(n, t) for n, t in zip(names, tensors)]
-    shapes, dtypes = list(map(_SHAPE, tensors)), list(map(_DTYPE, tensors))
-    if group_bytes == WHOLE:  # one group: its sizes come with its layout (LayoutBook.assign)
-        yield Group(0, names, tensors, shapes, dtypes, None, -1)
+    s = _scan(names, tensors)  # (a tensor's autograd state does not matter here)
+    if group_bytes == WHOLE:
+        yield Group(0, names, tensors, s, int(s.nbytes.sum()))
         return
-    sizes = list(map(_NBYTES, tensors))
+    sizes = s.nbytes.tolist()
     start, total, index = 0, 0, 0
     for i, n in enumerate(sizes + [group_bytes + 1]):  # (the sentinel ends the last group)
         if i > start and total + n > group_bytes:
-            yield Group(index, names[start:i], tensors[start:i], shapes[start:i], dtypes[start:i],
-                        sizes[start:i], total)
+            yield Group(index, names[start:i], tensors[start:i], s.part(start, i), total)
             start, total, index = i, 0, index + 1
         total += n
 
@@ -195,11 +198,10 @@ def slot_layout(step: Sequence[Tuple[int, Group]]) -> Tuple[List[List[int]], int
     by side, every offset aligned) and the bytes the step needs."""
     offsets, at = [], 0
     for _, group in step:
-        region = []
-        for t in group.tensors:
-            region.append(at)
-            at = align_up(at + t.nbytes)
-        offsets.append(region)
+        room = (group.scan.nbytes + (ALIGN - 1)) // ALIGN * ALIGN
+        ends = at + np.cumsum(room)
+        offsets.append((ends - room).tolist())
+        at = int(ends[-1]) if len(ends) else at
     return offsets, at
 
 
@@ -238,35 +240,28 @@ def check_strict(sent: Iterable[str], layout: Mapping[str, Any], rank: str) -> N
 
 class LayoutBook:
     """Which layouts passed the checks: per (rank group, group index) the
-    names, shapes and dtypes last seen, the tensors' sizes, and their layout
-    id. A group equal to the last one is not checked again (nor its sizes
-    looked at: a group cut whole comes without them); its id is what the
+    names and the scan (shapes, dtypes) last seen, and their layout id. A
+    group equal to the last one is not checked again; its id is what the
     lanes know it by."""
 
     def __init__(self):
-        self._last: Dict[Tuple[int, int], tuple] = {}
+        self._last: Dict[Tuple[int, int], Tuple[List[str], Scan, int]] = {}
         self._ids = itertools.count(1)
         self.layouts = None  # the rank layouts the cached checks were made against
 
     def assign(self, rank_group: int, group: Group, ranks: Sequence[int], layouts, labels) -> int:
-        shapes, dtypes = group.shapes, group.dtypes
         key = (rank_group, group.index)
         last = self._last.get(key)
         if (last is not None and self.layouts is layouts and last[0] == group.names
-                and last[1] == shapes and last[2] == dtypes):
-            group.layout = last[3]
-            if group.sizes is None:
-                group.sizes, group.nbytes = last[4], last[5]
+                and group.scan.same_layout(last[1])):
+            group.layout = last[2]
             return group.layout
+        shapes, dtypes = group.scan.shapes(), group.scan.dtypes()
         for r in ranks:
             check_tensors(group.names, shapes, dtypes, layouts[r], labels[r])
         if self.layouts is not layouts:
             self._last.clear()
             self.layouts = layouts
-        if group.sizes is None:
-            group.sizes = list(map(_NBYTES, group.tensors))
-            group.nbytes = sum(group.sizes)
         group.layout = next(self._ids)
-        self._last[key] = (list(group.names), list(shapes), list(dtypes), group.layout,
-                           group.sizes, group.nbytes)
+        self._last[key] = (list(group.names), group.scan, group.layout)
         return group.layout

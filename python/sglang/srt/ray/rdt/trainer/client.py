@@ -250,7 +250,7 @@ class WeightSyncClient:
         calls = []
         for step in steps:
             for rg, group in step:
-                meta = same_node.export(group.tensors, with_specs=False)
+                meta = same_node.export(group.tensors, with_specs=False, scan=group.scan)
                 calls += [(r, self.lanes.pull(r, group, meta, None, prepare=True)) for r in rank_groups[rg]]
         self.gather(calls, "prepare the first update", self.call_timeout_s)
         for r, call in calls:

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S, PULL_WAIT_MARGIN_S, STREAM_GROUPS_PER_BUCKET
@@ -35,7 +36,7 @@ from sglang.srt.ray.rdt.trainer import buckets
 from sglang.srt.ray.rdt.trainer.lane import LaneCall
 from sglang.srt.ray.rdt.trainer.sessions import CallerPausedSession
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
-from sglang.srt.ray.rdt.transport import same_node
+from sglang.srt.ray.rdt.transport import same_node, tensor_scan
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class Update:
             # queued work on them is done before a rank reads (a mapping: all
             # made before the call; an iterator: made as it is consumed)
             torch.cuda.synchronize(device)
-        sources = [(None, same_node.export(g.tensors, with_specs=False, nbytes=g.sizes,
+        sources = [(None, same_node.export(g.tensors, with_specs=False, scan=g.scan,
                                            check=lambda g=g: _on_device(g, device)))
                    for _, g in step]
         held = sum(g.nbytes for _, g in step)
@@ -346,17 +347,19 @@ def group_bytes_for(route, bucket_bytes: int, stream: bool) -> int:
 def _contiguous(group: buckets.Group) -> None:
     """``group``'s tensors as the ranks can read them where they are: a copy
     of a tensor that is not contiguous."""
-    if not all(map(torch.Tensor.is_contiguous, group.tensors)):
+    if not group.scan.contiguous.all():
         group.tensors = [t if t.is_contiguous() else t.contiguous() for t in group.tensors]
+        group.scan = tensor_scan.scan(group.tensors)
 
 
 def _on_device(group: buckets.Group, device: torch.device) -> None:
     """Refuse ``group`` unless every tensor is on the client's device (asked
     only where its description is made anew: tensors at the places of a
     remembered one are in the staging pool on that device)."""
-    index = device.index if device.type == "cuda" else -1  # get_device(): -1 on the CPU
-    if any(d != index for d in map(torch.Tensor.get_device, group.tensors)):
-        t, name = next((t, n) for t, n in zip(group.tensors, group.names) if t.get_device() != index)
+    index = device.index if device.type == "cuda" else -1  # (the scan's device: -1 in host memory)
+    bad = np.flatnonzero(group.scan.device != index)
+    if len(bad):
+        t, name = group.tensors[bad[0]], group.names[bad[0]]
         raise WeightSyncError(
             f"{name!r} is on {t.device}, the client's device is {device}: build the "
             f"client with device={str(t.device)!r}, or export='buckets' to copy it")

@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from sglang.srt.ray.rdt.transport.metadata import CmaPart, MappingFailed, ReadResult, addresses
+from sglang.srt.ray.rdt.transport.metadata import CmaPart, MappingFailed, ReadResult
 
 # Linux caps one call at IOV_MAX (1024) iovecs per side.
 IOV_MAX = 1024
@@ -191,18 +191,17 @@ def _read_all(pid: int, copies: Sequence[Copy]) -> int:
 _START_TIME: dict = {}  # this process's start time, read once
 
 
-def export_cma(tensors, token: str, node_id: str, nbytes=None) -> Optional[CmaPart]:
-    """A :class:`CmaPart` of host-memory ``tensors`` (``nbytes``: their sizes,
-    when known), or None when /proc is unreadable."""
+def export_cma(ptrs: np.ndarray, nbytes: np.ndarray, token: str, node_id: str) -> Optional[CmaPart]:
+    """A :class:`CmaPart` of host-memory tensors at ``ptrs`` of ``nbytes``
+    each, or None when /proc is unreadable."""
     pid = os.getpid()
     if pid not in _START_TIME:
         _START_TIME[pid] = process_start_time(pid)
     start = _START_TIME[pid]
     if start is None:
         return None
-    address, nbytes = addresses(tensors, nbytes)
     return CmaPart(node_id=node_id, sender=token, pid=os.getpid(), start_time=start,
-                   address=address, nbytes=nbytes)
+                   address=ptrs, nbytes=nbytes)
 
 
 class CmaPath:

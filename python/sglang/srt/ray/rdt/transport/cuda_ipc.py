@@ -33,7 +33,7 @@ import torch
 from sglang.srt.ray.rdt.transport import cuda_driver
 from sglang.srt.ray.rdt.transport.cma import pid_alive
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, device_uuid, local_ordinal_of
-from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, Targets, addresses
+from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, Targets
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +93,13 @@ class CudaIpcExporter:
         self._kept_ids = itertools.count(1)
         self._lock = threading.Lock()  # guards the known segments and the parts
 
-    def export(self, tensors, ordinal: int, node_id: str, nbytes=None, check=None) -> IpcPart:
-        """An :class:`IpcPart` of ``tensors`` (contiguous, all on GPU
-        ``ordinal``; ``nbytes``: their sizes, when known; ``check()``: raises
-        unless they are, asked unless the tensors sit wholly in kept memory of
-        ``ordinal`` as a remembered description says: in one address space an
-        address belongs to one allocation, hence one device)."""
-        ptrs, nbytes = addresses(tensors, nbytes)
+    def export(self, ptrs: np.ndarray, nbytes: np.ndarray, ordinal: int, node_id: str,
+               check=None) -> IpcPart:
+        """An :class:`IpcPart` of the tensors at ``ptrs`` of ``nbytes`` each
+        (contiguous, all on GPU ``ordinal``; ``check()``: raises unless they
+        are, asked unless the tensors sit wholly in kept memory of ``ordinal``
+        as a remembered description says: in one address space an address
+        belongs to one allocation, hence one device)."""
         key = (ordinal, node_id, ptrs.tobytes(), nbytes.tobytes())
         part = self._parts.get(key)
         if part is not None:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from sglang.srt.ray.rdt.transport import tensor_scan
 from sglang.srt.ray.rdt.transport.cma import CmaPath, export_cma
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader
 from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransportMetadata, Targets
@@ -81,29 +82,32 @@ def set_keeper(ordinal: int, holds: Optional[Callable[[int], bool]]) -> None:
         _exporter.forget_kept(ordinal)
 
 
-def export(tensors, with_specs: bool = True, nbytes=None, check=None) -> SglangIpcTransportMetadata:
+def export(tensors, with_specs: bool = True, check=None, scan=None) -> SglangIpcTransportMetadata:
     """Describe ``tensors`` (contiguous, on one device; ``with_specs=False``:
-    without shapes and dtypes; ``nbytes``: their sizes, when the caller knows
-    them; ``check()``: raises unless they are all on the first one's device,
-    asked unless they sit where a remembered description of kept memory says)
-    for a same-node reader. The caller makes sure queued work on them is done
-    before anyone reads them."""
+    without shapes and dtypes; ``scan``: their :class:`~.tensor_scan.Scan`,
+    when the caller has it; ``check()``: raises unless they are all on the
+    first one's device, asked unless they sit where a remembered description
+    of kept memory says) for a same-node reader. The caller makes sure queued
+    work on them is done before anyone reads them."""
     meta = SglangIpcTransportMetadata(
         tensor_meta=[(tuple(t.shape), t.dtype) for t in tensors] if with_specs else [],
         tensor_device=tensors[0].device.type if tensors else None)
     if not tensors:
         return meta
     device = tensors[0].device
+    if device.type not in ("cpu", "cuda"):
+        meta.ipc_unavailable = f"tensors on {device.type}"
+        return meta
+    if scan is None:
+        scan = tensor_scan.scan(tensors)
     if device.type == "cpu":
         if check is not None:
             check()
-        meta.cma = export_cma(tensors, _TOKEN, node_id(), nbytes)
+        meta.cma = export_cma(scan.ptrs, scan.nbytes, _TOKEN, node_id())
         if meta.cma is None:
             meta.ipc_unavailable = "/proc is not readable here"
-    elif device.type == "cuda":
-        meta.ipc = _parts()[0].export(tensors, device.index, node_id(), nbytes, check)
     else:
-        meta.ipc_unavailable = f"tensors on {device.type}"
+        meta.ipc = _parts()[0].export(scan.ptrs, scan.nbytes, device.index, node_id(), check)
     return meta
 
 

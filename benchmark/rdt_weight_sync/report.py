@@ -42,12 +42,14 @@ def client_row(name: str, res: Dict[str, Any], ceiling_s: float, bucket_bytes: i
         "parts_ms": [statistics.median(u.get(k, 0.0) for u in ups[1:] or ups) * 1e3
                      for k in ("fill_seconds", "pull_seconds", "end_seconds")],
         "timeline_ms": {k: statistics.median(u["timeline"][k] for u in ups[1:] or ups) * 1e3
-                        for k in TIMELINE if all(u.get("timeline") for u in ups)},
+                        for k in TIMELINE + AFTER if all(k in (u.get("timeline") or {}) for u in ups)},
     }
 
 
 # The parts of a steady update, in order (trainer.timeline).
 TIMELINE = ("before_send", "to_rank", "pulls", "copy", "gaps", "after")
+# ... and "after" in parts: the update's end on the rank, the answer's way back, the client's end.
+AFTER = ("end_on_rank", "answer", "client_end")
 
 
 def simple_row(name: str, res: Dict[str, Any], ceiling_s: float) -> Dict[str, Any]:
@@ -136,10 +138,14 @@ def markdown(summary: Dict[str, Any], meta: Dict[str, Any]) -> str:
         timed = [r for r in s["client"] if r["timeline_ms"]]
         if timed:
             out.append("")
-            out.append("Where a steady update's time goes (ms; medians): " + " / ".join(TIMELINE))
+            out.append("Where a steady update's time goes (ms; medians): " + " / ".join(TIMELINE)
+                       + " (" + " + ".join(AFTER) + ")")
             out.append("")
             for r in timed:
-                out.append(f"- {r['mode']}: " + " / ".join(f"{r['timeline_ms'][k]:.2f}" for k in TIMELINE))
+                t = r["timeline_ms"]
+                parts = " + ".join(f"{t[k]:.2f}" for k in AFTER) if all(k in t for k in AFTER) else ""
+                out.append(f"- {r['mode']}: " + " / ".join(f"{t[k]:.2f}" for k in TIMELINE)
+                           + (f" ({parts})" if parts else ""))
         for k, v in s["errors"].items():
             out.append(f"ERROR {k}: {v}")
         out.append("")

@@ -229,16 +229,22 @@ def timeline(t0: float, t1: float, steps: List[Dict[str, Any]]) -> Dict[str, flo
     (both processes stamp ``time.perf_counter()``, one clock per host): before
     the first step went out, from sending it to the rank's pull starting, the
     rank's pulls (and the copies in them), the rank idle between its pulls,
-    and after the last pull ended (answer, land, the update's end)."""
+    and after the last pull ended (answer, land, the update's end); that last
+    part split into the update's end on the rank (a pull that ended it), the
+    answer's way back, and the client's own end."""
     ranked = [s for s in steps if s["rank_timing"].get("pull_start")]
     if not ranked:
         return {}
     starts = [s["rank_timing"]["pull_start"] for s in ranked]
     ends = [s["rank_timing"]["pull_end"] for s in ranked]
+    last = ranked[-1]
+    ended = last["rank_timing"].get("ended", ends[-1])
     return {"before_send": ranked[0]["sent_at"] - t0, "to_rank": starts[0] - ranked[0]["sent_at"],
             "pulls": sum(e - b for b, e in zip(starts, ends)),
             "copy": sum(s["rank_timing"].get("copy_seconds", 0.0) for s in ranked),
-            "gaps": sum(max(0.0, b - e) for e, b in zip(ends, starts[1:])), "after": t1 - ends[-1]}
+            "gaps": sum(max(0.0, b - e) for e, b in zip(ends, starts[1:])), "after": t1 - ends[-1],
+            "end_on_rank": ended - ends[-1], "answer": last["received_at"] - ended,
+            "client_end": t1 - last["received_at"]}
 
 
 def _by_bytes(names, tensors, bucket_bytes: int):

@@ -191,6 +191,7 @@ class RankWeightSync:
                     ending.append(True)
                     out["finalized"] = self._finalize_here(finalize.get("weight_version"),
                                                            finalize.get("flush_cache", True))
+                    out.setdefault("timing", {})["ended"] = time.perf_counter()
                 return out
             if why == NOT_PAUSED:
                 return _NOT_PAUSED_YET  # maybe the pause is still on its way

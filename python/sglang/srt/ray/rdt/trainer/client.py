@@ -41,7 +41,7 @@ from sglang.srt.ray.rdt.trainer.sender import SenderLink, release_rank_mappings
 from sglang.srt.ray.rdt.trainer.sessions import make_session
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
 from sglang.srt.ray.rdt.trainer.update import Update, group_bytes_for
-from sglang.srt.ray.rdt.transport import same_node
+from sglang.srt.ray.rdt.transport import same_node, tensor_scan
 
 __all__ = ["WeightSyncClient", "WeightSyncRankError", "UpdateStats", "BucketStats", "RankInfo"]
 
@@ -153,6 +153,7 @@ class WeightSyncClient:
         self._route: Optional[Route] = None
         self._hf_resharder = None
         self._busy = threading.Lock()  # one update() of this client at a time
+        tensor_scan.prepare()  # (the first use on a machine compiles it: not inside an update)
 
     @classmethod
     def connect(cls, port: int, *, namespace: str, node_ip: Optional[str] = None,

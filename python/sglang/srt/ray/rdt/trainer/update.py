@@ -239,6 +239,7 @@ class Update:
         except BaseException:
             self.flights.appendleft(flight)  # settled (and its slot freed) with the others
             raise
+        received_at = time.perf_counter()
         for r, call in flight.calls:
             if isinstance(call, LaneCall):
                 c.lanes.defined(r, call)
@@ -259,7 +260,7 @@ class Update:
         stats = BucketStats(index=flight.index, tensors=ntensors, bytes=nbytes, ranks=len(flight.calls),
                             fill_seconds=flight.fill_seconds, pull_seconds=slowest,
                             gbps=nbytes / slowest / 1e9 if slowest > 0 else 0.0,
-                            rank_seconds=rank_seconds, sent_at=flight.sent_at)
+                            rank_seconds=rank_seconds, sent_at=flight.sent_at, received_at=received_at)
         if flight.calls:
             res = results[max(flight.calls, key=lambda c: results[c[0]].get("seconds", 0.0))[0]]
             stats.rank_timing = {**(res.get("timing") or {}),

@@ -131,6 +131,12 @@ def _scan_python(tensors: List[Any]) -> Scan:
                 np.fromiter(map(torch.Tensor.is_contiguous, tensors), np.bool_, n))
 
 
+def prepare() -> None:
+    """Build or load the extension and its dtype table now (a client does at
+    construction), not inside an update."""
+    _dtype_table()
+
+
 # -- dtype codes ---------------------------------------------------------------- #
 _codes: Optional[Tuple[Dict[torch.dtype, int], Dict[int, torch.dtype]]] = None
 _lock = threading.Lock()  # guards building the extension and the dtype table once

@@ -57,6 +57,9 @@ class _Update:
     pull_s: float = 0.0
     transports: List[str] = field(default_factory=list)
     writers: Dict[str, Writer] = field(default_factory=dict)  # param name -> writer
+    # The last landed pull's (names, writer), not yet in ``writers`` (see
+    # :meth:`written`): an update of one pull never builds the per-name map.
+    pending: Optional[Tuple[Sequence[str], Writer]] = None
     writer_ids: set = field(default_factory=set)  # every writer that landed a pull
     last_writer: tuple = ()  # (the writer of the last landed pull,)
     rewrites: int = 0
@@ -66,7 +69,21 @@ class _Update:
 
     @property
     def touched(self) -> bool:
-        return bool(self.writers or self.broken or self.failed_pulls)
+        return bool(self.writers or self.pending or self.broken or self.failed_pulls)
+
+    def written(self) -> Dict[str, Writer]:
+        """Every parameter written in this update, and by whom."""
+        if self.pending is not None:
+            (names, writer), self.pending = self.pending, None
+            before = len(self.writers)
+            self.writers.update(dict.fromkeys(names, writer))
+            self.rewrites += len(names) - (len(self.writers) - before)
+        return self.writers
+
+    def written_count(self) -> int:
+        if self.pending is not None and not self.writers:
+            return len(self.pending[0])  # (one pull's names are distinct: plan_pull refuses repeats)
+        return len(self.written())
 
 
 class RankUpdateState:
@@ -136,8 +153,9 @@ class RankUpdateState:
             for names, writer in writes:
                 if u.writer_ids <= {writer.id}:
                     continue  # nobody else wrote in this update: no conflict possible
+                written = u.written()
                 for name in names:
-                    prev = u.writers.get(name)
+                    prev = written.get(name)
                     if prev is not None and prev.id != writer.id:
                         self._conflict(u, name, prev, writer)
 
@@ -161,9 +179,8 @@ class RankUpdateState:
         with self._lock:
             u = self._current()
             for names, writer in writes:
-                before = len(u.writers)
-                u.writers.update(dict.fromkeys(names, writer))
-                u.rewrites += len(names) - (len(u.writers) - before)
+                u.written()  # (the pull before, if any)
+                u.pending = (names, writer)
                 u.writer_ids.add(writer.id)
                 u.last_writer = (writer,)
                 if u.broken:
@@ -190,8 +207,9 @@ class RankUpdateState:
             u = self._current()
             u.failed_pulls += 1
             u.broken.update(names)
+            written = u.written()
             for name in names:  # whoever wrote them before, their bytes are gone
-                u.writers.pop(name, None)
+                written.pop(name, None)
             self.totals["failed_pulls"] += 1
             self._mark_inconsistent(reason)
             self.fail("transfer")
@@ -215,8 +233,9 @@ class RankUpdateState:
             else:
                 self._mark_inconsistent(problem)
             # (one writer landed everything, no pull broke: it wrote every name of u.writers)
-            whom = u.writers.values() if len(u.writer_ids) > 1 or u.failed_pulls else u.last_writer
+            whom = u.written().values() if len(u.writer_ids) > 1 or u.failed_pulls else u.last_writer
             writers = sorted({w.label for w in whom})
+            count = u.written_count()
             summary = {
                 "weight_version": version,
                 "pulls": u.pulls,
@@ -227,7 +246,7 @@ class RankUpdateState:
                 "gbps": u.bytes / u.transfer_s / 1e9 if u.transfer_s > 0 else 0.0,
                 "transport": ",".join(u.transports) or "none",
                 "update_seconds": self._clock() - u.started,
-                "params_updated": len(u.writers),
+                "params_updated": count,
                 "params_total": total,
                 "writers": len(writers),
                 "writer_labels": writers,
@@ -238,7 +257,7 @@ class RankUpdateState:
                 **extra,
             }
             if names is not None:  # (every name written: the writers hold as many names)
-                never = [] if len(u.writers) == len(names) else [n for n in names if n not in u.writers]
+                never = [] if count == len(names) else [n for n in names if n not in u.written()]
                 summary["never_written"] = never[:MAX_LISTED_NAMES]
                 summary["never_written_count"] = len(never)
             self.updates += 1
@@ -284,7 +303,8 @@ class RankUpdateState:
             if u is None:
                 return None
             return {"kind": u.kind, "pulls": u.pulls, "tensors": u.tensors, "bytes": u.bytes,
-                    "params_written": len(u.writers), "writers": len({w.id for w in u.writers.values()}),
+                    "params_written": u.written_count(),
+                    "writers": len({w.id for w in u.written().values()}),
                     "rewrites": u.rewrites, "conflict": u.conflict}
 
     def status(self) -> Dict[str, Any]:

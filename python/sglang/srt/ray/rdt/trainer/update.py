@@ -194,7 +194,8 @@ class Update:
                 else:
                     call = c.ranks[r].actor.pull_weights.remote([ref], group.names, timeout)
                 flight.calls.append((r, call))
-            self.sent[rg].update(group.names)
+            if self.stream and self.strict:  # (a mapping was checked whole before)
+                self.sent[rg].update(group.names)
         return flight
 
     def _describe(self, index: int, step) -> Flight:

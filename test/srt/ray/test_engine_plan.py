@@ -91,7 +91,8 @@ def test_group_names_errors(names, counts, match):
     "names, spec_override, match",
     [
         (["a.weight", "nope"], None, r"unknown parameter 'nope' \(ref 0 tensor 1\)"),
-        (["a.weight", "a.weight"], None, r"duplicate parameter 'a.weight'"),
+        (["a.weight", "a.weight"], None,
+         r"duplicate parameter 'a.weight' \(ref 0 tensor 0 and ref 0 tensor 1\)"),
         (["a.weight"], TensorSpec((3, 4), torch.float32),
          r"layout mismatch for 'a.weight'.*sent shape=\[3, 4\] dtype=float32, the rollout parameter is shape=\[4, 3\] dtype=float32"),
         (["b.weight"], TensorSpec((2, 4), torch.float16),

@@ -26,7 +26,7 @@ class TensorSpec(NamedTuple):
     @classmethod
     def of(cls, entry) -> "TensorSpec":
         shape, dtype = entry
-        return cls(tuple(int(d) for d in shape), dtype)
+        return cls(tuple(map(int, shape)), dtype)
 
     def describe(self) -> str:
         return f"shape={list(self.shape)} dtype={dtype_name(self.dtype)}"
@@ -79,30 +79,32 @@ def plan_pull(specs_per_ref: Sequence[Sequence[TensorSpec]], names_per_ref: Sequ
     """Return, per ref, the live tensors the ref's tensors must land in."""
     if not specs_per_ref:
         raise WeightSyncError("empty pull: no refs were given")
-    seen = {}
+    seen: Dict[str, Tuple[int, int]] = {}
     targets: List[List[torch.Tensor]] = []
     for ref_idx, (specs, names) in enumerate(zip(specs_per_ref, names_per_ref)):
         assert len(specs) == len(names)
         out = []
         for pos, (spec, name) in enumerate(zip(specs, names)):
-            where = f"ref {ref_idx} tensor {pos}"
+            # (where = f"ref {ref_idx} tensor {pos}", written out only for an error)
             if name in seen:
-                raise WeightSyncError(f"duplicate parameter {name!r} ({seen[name]} and {where}); "
+                raise WeightSyncError(f"duplicate parameter {name!r} (ref {seen[name][0]} tensor "
+                                      f"{seen[name][1]} and ref {ref_idx} tensor {pos}); "
                                       "each parameter may be pulled once per call")
-            seen[name] = where
+            seen[name] = (ref_idx, pos)
             param = params.get(name)
             if param is None:
-                raise WeightSyncError(f"unknown parameter {name!r} ({where}): the rollout model has no "
-                                      f"such parameter; {close_names(name, params)}")
+                raise WeightSyncError(f"unknown parameter {name!r} (ref {ref_idx} tensor {pos}): the "
+                                      f"rollout model has no such parameter; {close_names(name, params)}")
             target = param.data if isinstance(param, torch.nn.Parameter) else param
             if not isinstance(spec.dtype, torch.dtype):
-                raise WeightSyncError(f"{name!r} ({where}) was put as {spec.describe()}: only torch "
-                                      "tensors can be pulled into parameters")
-            actual = TensorSpec(tuple(target.shape), target.dtype)
-            if actual.shape != spec.shape or actual.dtype != spec.dtype:
-                raise WeightSyncError(f"layout mismatch for {name!r} ({where}): the trainer sent "
-                                      f"{spec.describe()}, the rollout parameter is {actual.describe()}; "
-                                      "send tensors in the rollout layout (dtype and TP shard of this rank)")
+                raise WeightSyncError(f"{name!r} (ref {ref_idx} tensor {pos}) was put as "
+                                      f"{spec.describe()}: only torch tensors can be pulled into parameters")
+            if target.shape != spec.shape or target.dtype != spec.dtype:  # (a Size is a tuple)
+                actual = TensorSpec(tuple(target.shape), target.dtype)
+                raise WeightSyncError(f"layout mismatch for {name!r} (ref {ref_idx} tensor {pos}): the "
+                                      f"trainer sent {spec.describe()}, the rollout parameter is "
+                                      f"{actual.describe()}; send tensors in the rollout layout (dtype and "
+                                      "TP shard of this rank)")
             if not target.is_contiguous():
                 raise WeightSyncError(f"parameter {name!r} is not contiguous in the rollout model "
                                       f"(strides {list(target.stride())}); RDT can only write into "

@@ -120,11 +120,9 @@ class Targets:
                              f"tensor {int(nbytes[i])}")
 
 
-def addresses(tensors, nbytes=None) -> Tuple[np.ndarray, np.ndarray]:
-    """``tensors``' data addresses and sizes (``nbytes``: the sizes, when known)."""
+def addresses(tensors) -> Tuple[np.ndarray, np.ndarray]:
+    """``tensors``' data addresses and sizes."""
     # (torch's own method, unbound: half the cost of looking it up on each tensor)
     ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors))
-    if nbytes is None:
-        nbytes = [t.nbytes for t in tensors]
-    return ptrs, np.array(nbytes, np.int64)
+    return ptrs, np.array([t.nbytes for t in tensors], np.int64)
 

@@ -8,6 +8,8 @@
   this host — a head and a worker joined to it with node IP ``127.0.0.2``
   (two raylets, two node ids, one hostname); stopped by pid like the head.
 * ``tiny_model`` (session): a random-weight Llama + a tokenizer trained here.
+* ``rdt_server`` (session): one weight-sync server from the CLI, shared by
+  the end-to-end modules whose tests leave it consistent.
 * ``launch_server``: runs ``python -m sglang.launch_server`` against the
   cluster and waits for ``/health``; stops it with SIGTERM (then SIGKILL).
 """
@@ -248,6 +250,27 @@ def start_server(
             server.terminate(timeout=10)
             raise
     return server
+
+
+# The namespace of the shared weight-sync server (not the driver's, the head's).
+RDT_SERVER_NAMESPACE = "rollout-e2e"
+
+
+@pytest.fixture(scope="session")
+def rdt_server(ray_head, ray_client, tiny_model, tmp_path_factory):
+    """One ``--enable-rdt-weight-sync`` CLI server, in a namespace of its own
+    and with ``--sleep-on-idle`` (an idle loop that sleeps in a poll, which
+    weight-sync calls must wake), shared by the modules whose tests start
+    from whatever consistent version it serves and leave a consistent one
+    behind (test_update_safety, test_weight_sync_e2e)."""
+    s = start_server(
+        tiny_model, ray_head,
+        ["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", RDT_SERVER_NAMESPACE,
+         "--sleep-on-idle"],
+        tmp_path_factory.mktemp("rdt-server"),
+    )
+    yield s
+    s.terminate()
 
 
 @pytest.fixture

@@ -110,7 +110,7 @@ def test_unplaceable_ray_backend_exits_with_a_readable_error(tiny_model, tmp_pat
     try:
         server = start_server(
             tiny_model, head,
-            ["--use-ray", "--ray-namespace", head.namespace, "--ray-startup-timeout", "10"],
+            ["--use-ray", "--ray-namespace", head.namespace, "--ray-startup-timeout", "2"],
             tmp_path, wait=False,
         )
         try:
@@ -119,7 +119,7 @@ def test_unplaceable_ray_backend_exits_with_a_readable_error(tiny_model, tmp_pat
             server.terminate(timeout=10)
         log = server.log()
         assert rc != 0
-        assert "Ray could not place the scheduler placement group within 10 s" in log, log[-3000:]
+        assert "Ray could not place the scheduler placement group within 2 s" in log, log[-3000:]
         assert "[{'CPU': 1.0}]" in log and "{CPU: 0, GPU: 0" in log, log[-3000:]
     finally:
         head.stop()

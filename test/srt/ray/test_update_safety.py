@@ -1,7 +1,8 @@
 """Update safety on a real server: no torn weights, broken transfers, lifecycle.
 
-The torn-weights and broken-transfer tests share one server: each starts from
-whatever consistent version it serves and leaves a consistent one behind. The
+The torn-weights and broken-transfer tests run against the session's shared
+weight-sync server (``rdt_server``): each starts from whatever consistent
+version it serves and leaves a consistent one behind. The
 start/stop test starts and stops servers of its own, ``SGLANG_TEST_LIFECYCLE_CYCLES``
 times (3 in ``make test``, 20 in ``make soak``).
 """
@@ -30,11 +31,9 @@ def _server_args(head, *extra):
     return [*RDT_ARGS, "--ray-namespace", head.namespace, *extra]
 
 
-@pytest.fixture(scope="module")
-def server(ray_head, ray_client, tiny_model, tmp_path_factory):
-    s = start_server(tiny_model, ray_head, _server_args(ray_head), tmp_path_factory.mktemp("safety"))
-    yield s
-    s.terminate()
+@pytest.fixture
+def server(rdt_server):
+    return rdt_server
 
 
 def test_generation_never_sees_torn_weights_during_syncs(server, tiny_model, ray_head):
@@ -119,7 +118,7 @@ def test_broken_transfer_is_reported_until_a_complete_update_lands(
 ):
     ray = ray_client
     (info,) = server_actors(ray, server)
-    actor = ray.get_actor(info["Name"], namespace=ray_head.namespace)
+    actor = ray.get_actor(info["Name"], namespace=server.arg("--ray-namespace"))
     layouts = ray.get(actor.get_parameter_layout.remote())
     names = list(layouts)
     chunks = [names[::2], names[1::2]]

@@ -74,6 +74,11 @@ def group_names(param_names: NamesArg, counts: Sequence[int]) -> List[List[str]]
     return groups
 
 
+def _where(ref_idx: int, pos: int) -> str:
+    """A tensor's place in a pull, for errors (formatted only when one is raised)."""
+    return f"ref {ref_idx} tensor {pos}"
+
+
 def plan_pull(specs_per_ref: Sequence[Sequence[TensorSpec]], names_per_ref: Sequence[Sequence[str]],
               params: Mapping[str, torch.Tensor]) -> List[List[torch.Tensor]]:
     """Return, per ref, the live tensors the ref's tensors must land in."""
@@ -85,23 +90,22 @@ def plan_pull(specs_per_ref: Sequence[Sequence[TensorSpec]], names_per_ref: Sequ
         assert len(specs) == len(names)
         out = []
         for pos, (spec, name) in enumerate(zip(specs, names)):
-            # (where = f"ref {ref_idx} tensor {pos}", written out only for an error)
             if name in seen:
-                raise WeightSyncError(f"duplicate parameter {name!r} (ref {seen[name][0]} tensor "
-                                      f"{seen[name][1]} and ref {ref_idx} tensor {pos}); "
+                raise WeightSyncError(f"duplicate parameter {name!r} ({_where(*seen[name])} and "
+                                      f"{_where(ref_idx, pos)}); "
                                       "each parameter may be pulled once per call")
             seen[name] = (ref_idx, pos)
             param = params.get(name)
             if param is None:
-                raise WeightSyncError(f"unknown parameter {name!r} (ref {ref_idx} tensor {pos}): the "
+                raise WeightSyncError(f"unknown parameter {name!r} ({_where(ref_idx, pos)}): the "
                                       f"rollout model has no such parameter; {close_names(name, params)}")
             target = param.data if isinstance(param, torch.nn.Parameter) else param
             if not isinstance(spec.dtype, torch.dtype):
-                raise WeightSyncError(f"{name!r} (ref {ref_idx} tensor {pos}) was put as "
+                raise WeightSyncError(f"{name!r} ({_where(ref_idx, pos)}) was put as "
                                       f"{spec.describe()}: only torch tensors can be pulled into parameters")
             if target.shape != spec.shape or target.dtype != spec.dtype:  # (a Size is a tuple)
                 actual = TensorSpec(tuple(target.shape), target.dtype)
-                raise WeightSyncError(f"layout mismatch for {name!r} (ref {ref_idx} tensor {pos}): the "
+                raise WeightSyncError(f"layout mismatch for {name!r} ({_where(ref_idx, pos)}): the "
                                       f"trainer sent {spec.describe()}, the rollout parameter is "
                                       f"{actual.describe()}; send tensors in the rollout layout (dtype and "
                                       "TP shard of this rank)")

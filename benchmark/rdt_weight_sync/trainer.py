@@ -129,9 +129,17 @@ class BenchTrainer:
         held = self._allocated() - baseline - stable
         d = stats.as_dict()
         steps = d.pop("buckets")
+        pool = client.staging_pool()
+        segments = pool.pool.snapshot() if pool is not None else []
         return {"seconds": seconds, "peak_extra_bytes": peak, "held_after_bytes": held,
+                # what the staging pool holds and what the rank keeps mapped of this process
+                "pool_segments": len(segments), "pool_bytes": sum(int(s["total_size"]) for s in segments),
+                "rank_kept_mappings": ray.get(rank.get_weight_sync_status.remote())["kept_mappings"],
                 "steps": len(steps), "fill_seconds": sum(s["fill_seconds"] for s in steps),
                 "timeline": timeline(t0, t0 + seconds, steps),
+                "step_timing": [{"sent": s["sent_at"] - t0, "received": s["received_at"] - t0,
+                                 **{k: (v - t0 if k in ("pull_start", "pull_end", "ended") else v)
+                                    for k, v in s["rank_timing"].items()}} for s in steps],
                 "pull_seconds": sum(s["pull_seconds"] for s in steps),
                 **{k: d[k] for k in ("path", "transport", "lane_calls", "held_bytes", "begin_seconds",
                                      "end_seconds", "bytes", "tensors")},

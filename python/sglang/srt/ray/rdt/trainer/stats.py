@@ -22,7 +22,7 @@ class BucketStats:
     rank_seconds: List[float] = field(default_factory=list)
     # When (time.perf_counter(): one clock for every process of a Linux host)
     # the pulls were sent and the last answer came, and the slowest rank's
-    # pull_start, pull_end, copy_seconds (and ended: a pull that ended the
+    # pull_start, pull_end, copy_seconds, plan_seconds (and ended: a pull that ended the
     # update, when that end was done): where a step's time went.
     sent_at: float = 0.0
     received_at: float = 0.0

@@ -265,7 +265,8 @@ class Update:
         if flight.calls:
             res = results[max(flight.calls, key=lambda c: results[c[0]].get("seconds", 0.0))[0]]
             stats.rank_timing = {**(res.get("timing") or {}),
-                                 "copy_seconds": sum(r.get("copy_seconds", 0.0) for r in res.get("reads", ()))}
+                                 "copy_seconds": sum(r.get("copy_seconds", 0.0) for r in res.get("reads", ())),
+                                 "plan_seconds": res.get("plan_seconds", 0.0)}
         flight.step = []  # the trainer's tensors (direct) are let go here
         self.steps_done.append(stats)
         if self.progress is not None:

@@ -335,26 +335,11 @@ def chunk_table(dst, src, nbytes, chunk: int = CHUNK_BYTES):
     return np.stack([d[idx] + off, s[idx] + off, length], axis=1).ravel()
 
 
-def device_table(host, device):
-    """The table ``host`` (:func:`chunk_table`'s rows) on ``device``, its copy
-    queued on the device's current stream, ahead of the kernel that reads it.
-
-    The rows go through pinned memory: a copy from pageable memory makes the
-    caller wait for the GPU to run it, and when another process keeps the GPU
-    busy (a trainer making its next tensors while a rank copies the last
-    ones) that wait was 0.3-1 ms per table. PyTorch's pinned-memory pool
-    reuses the block once the copy ran."""
-    import numpy as np
-    import torch
-
-    pinned = torch.from_numpy(host.view(np.int64)).pin_memory()
-    return pinned.to(device, non_blocking=True)
-
-
 def copy_tensors(dst, src) -> None:
     """Copy ``src[i]`` into ``dst[i]`` (contiguous tensors of equal sizes, all
     on one GPU) bit for bit with one :class:`CopyKernel` launch on the current
     stream; returns once the copy is done."""
+    import numpy as np
     import torch
 
     from sglang.srt.ray.rdt.transport.metadata import addresses
@@ -363,7 +348,8 @@ def copy_tensors(dst, src) -> None:
         return
     device = dst[0].device
     dst_ptrs, nbytes = addresses(dst)
-    table = device_table(chunk_table(dst_ptrs, addresses(src)[0], nbytes), device)
+    table = chunk_table(dst_ptrs, addresses(src)[0], nbytes)
+    table = torch.from_numpy(table.view(np.int64)).to(device)
     stream = torch.cuda.current_stream(device)
     copy_kernel(device.index).launch(table.data_ptr(), table.numel() // 3, stream.cuda_stream)
     stream.synchronize()

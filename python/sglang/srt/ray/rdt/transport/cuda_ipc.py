@@ -335,7 +335,7 @@ class CudaIpcReader:
             n = np.array([size for _, size in mappings], np.int64)
             host = cuda_driver.chunk_table(np.zeros(len(src), np.int64), src, n)
             host[0::3] = scratch.data_ptr()  # every chunk lands on the one scratch chunk
-            table = cuda_driver.device_table(host, device)
+            table = torch.from_numpy(host.view(np.int64)).to(device)
             stream = torch.cuda.current_stream(ordinal)
             kernel.launch(table.data_ptr(), table.numel() // 3, stream.cuda_stream)
             stream.synchronize()
@@ -371,8 +371,8 @@ class CudaIpcReader:
         cached = self._tables.get(id(targets.ptrs))
         if cached is not None and cached[0] is targets.ptrs and np.array_equal(cached[1], src):
             return cached[2]
-        table = cuda_driver.device_table(cuda_driver.chunk_table(targets.ptrs, src, nbytes),
-                                         torch.device("cuda", ordinal))
+        host = cuda_driver.chunk_table(targets.ptrs, src, nbytes)
+        table = torch.from_numpy(host.view(np.int64)).to(torch.device("cuda", ordinal))
         if len(self._tables) >= 64:
             self._tables.clear()
         self._tables[id(targets.ptrs)] = (targets.ptrs, src, table)

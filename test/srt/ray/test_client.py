@@ -108,6 +108,23 @@ def test_rank_groups_share_a_step_and_sit_side_by_side_in_a_slot():
         buckets.split_payloads({0: w0, 1: w1}, 3)
 
 
+def test_slots_for_any_order_hold_every_step_of_every_order():
+    """register()'s slots (no tensors given) hold any step an update of the
+    ranks' parameters makes, in any order of its tensors."""
+    sizes = [4096, 100, 4096, 100, 9000, 100, 4096, 100]
+    rng = __import__("random").Random(5)
+    for group_bytes in (5000, 8192, 1 << 20):
+        for layouts in ([sizes], [sizes, sizes[:4]]):
+            slot = buckets.slot_bytes_for(layouts, group_bytes)
+            assert slot <= sum(buckets.align_up(n) for ns in layouts for n in ns)
+            for _ in range(50):
+                orders = [rng.sample(ns, len(ns)) for ns in layouts]
+                payloads = [{f"t{i}": torch.empty(n, dtype=torch.uint8) for i, n in enumerate(o)}
+                            for o in orders]
+                for step in steps(payloads, [[0], [1]][:len(layouts)], group_bytes):
+                    assert slot_layout(step)[1] <= slot
+
+
 def test_layout_check_names_the_parameter_expected_and_actual():
     layout = {"w": {"shape": [4, 4], "dtype": "bfloat16"}, "b": {"shape": [4], "dtype": "bfloat16"}}
     check_tensors(["w"], [(4, 4)], [torch.bfloat16], layout, "rank 0")
@@ -483,6 +500,25 @@ def test_register_with_the_tensors_prepares_the_first_update_and_writes_nothing(
     for r in toy.ranks:
         last = toy.ray.get(r.get_weight_sync_status.remote())["last_pull"]
         assert last["plan_reused"] is True
+
+
+def test_register_without_tensors_makes_the_slots_a_stream_fills(calm):
+    """A trainer that streams registers without tensors: the bucket slots its
+    updates fill are made (and NIXL-registered) by register(), not by its
+    first update; a bucket each, or what every rank's parameters need when
+    that is less."""
+    toy = calm
+    weights = new_weights(seed=45)
+    model = sum(buckets.align_up(t.nbytes) for t in weights.values())  # (both ranks hold the same)
+    # a bucket plus every tensor's alignment (in whatever order they come), or the model if less
+    for bucket_bytes, slot in ((GROUP_BYTES, GROUP_BYTES + ALIGN * len(weights)), (1 << 20, model)):
+        with toy_client(toy, export="buckets", bucket_bytes=bucket_bytes) as client:
+            client.register()
+            sender = client.sender.sender
+            assert (sender.slot_bytes, sender.stats["allocations"]) == (slot, 2)
+            stats = client.update(iter(list(weights.items())), version=f"slots-{bucket_bytes}")
+            assert stats.path == "buckets" and sender.stats["allocations"] == 2  # no slot made anew
+        assert_ranks_hold(toy, weights)
 
 
 def test_a_rank_that_cannot_read_this_process_gets_its_pulls_through_ray(calm, caplog):

@@ -205,6 +205,19 @@ def slot_layout(step: Sequence[Tuple[int, Group]]) -> Tuple[List[List[int]], int
     return offsets, at
 
 
+def slot_bytes_for(layouts: Sequence[Sequence[int]], group_bytes: int) -> int:
+    """A slot that holds any step of an update of tensors of these byte sizes
+    (one list per rank group) cut into ``group_bytes``, whatever their order:
+    per rank group, a share of the bytes plus every tensor's alignment, or a
+    larger tensor on its own, and never more than all of its tensors."""
+    share = max(ALIGN, group_bytes // max(len(layouts), 1))
+    need = 0
+    for sizes in layouts:
+        room = [align_up(int(n)) for n in sizes]
+        need += min(sum(room), max(max(room, default=0), share + ALIGN * len(room)))
+    return need
+
+
 def check_tensors(names: Sequence[str], shapes, dtypes, layout: Mapping[str, Mapping[str, Any]],
                   rank: str) -> None:
     """Raise :class:`WeightSyncError` unless every tensor fits the rank's

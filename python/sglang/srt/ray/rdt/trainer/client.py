@@ -210,7 +210,9 @@ class WeightSyncClient:
         ``register_weight_for_rdt()``. ``named_tensors`` (a mapping, as for
         :meth:`update`): the tensors later updates will send, checked now; the
         ranks plan their pulls and map what stays mapped, writing nothing, so
-        the first update costs what later ones do."""
+        the first update costs what later ones do. Without it: a direct route
+        grows the staging pool to what a stream holds and has the ranks map
+        it; a bucket route makes the slots a stream fills."""
         out = self._call_all("register_weight_for_rdt")
         self.parameter_layouts(refresh=True)
         self._statuses = None
@@ -230,9 +232,26 @@ class WeightSyncClient:
                 self._prepare_direct(steps, rank_groups)
             else:
                 self.sender.prepare(max(buckets.slot_layout(s)[1] for s in steps), self.ranks)
-        elif route.direct and self.staging_pool() is not None:
-            self._warm_pool()
+        elif route.direct:
+            if self.staging_pool() is not None:
+                self._warm_pool()
+        else:  # the slots a stream's steps fill, made (and NIXL-registered) now
+            self.sender.prepare(self._slot_bytes_for_any_update() or self.bucket_bytes, self.ranks)
         return out
+
+    def _slot_bytes_for_any_update(self) -> Optional[int]:
+        """Slots no update of these ranks' parameters outgrows, in any order
+        (:func:`.buckets.slot_bytes_for`); None if a dtype is unknown here."""
+        layouts = {}
+        for layout in self._layouts:
+            sizes = []
+            for p in layout.values():
+                dtype = getattr(torch, str(p["dtype"]).replace("torch.", ""), None)
+                if not isinstance(dtype, torch.dtype):
+                    return None
+                sizes.append(torch.Size(p["shape"]).numel() * dtype.itemsize)
+            layouts[tuple(sizes)] = None  # (replicas share a layout: one rank group)
+        return buckets.slot_bytes_for(list(layouts), self.bucket_bytes)
 
     def _warm_pool(self) -> None:
         """Grow the staging pool to what a streamed update holds (two buckets)

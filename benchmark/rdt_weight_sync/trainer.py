@@ -120,6 +120,7 @@ class BenchTrainer:
         self._sync()
         before = self._allocated()
         self._reset_peak()
+        wall0 = time.time()
         t0 = time.perf_counter()
         stats = client.update(named, version=f"s{seed}")
         seconds = time.perf_counter() - t0
@@ -131,7 +132,7 @@ class BenchTrainer:
         steps = d.pop("buckets")
         pool = client.staging_pool()
         segments = pool.pool.snapshot() if pool is not None else []
-        return {"seconds": seconds, "peak_extra_bytes": peak, "held_after_bytes": held,
+        return {"seconds": seconds, "started_at": wall0, "peak_extra_bytes": peak, "held_after_bytes": held,
                 # what the staging pool holds and what the rank keeps mapped of this process
                 "pool_segments": len(segments), "pool_bytes": sum(int(s["total_size"]) for s in segments),
                 "rank_kept_mappings": ray.get(rank.get_weight_sync_status.remote())["kept_mappings"],

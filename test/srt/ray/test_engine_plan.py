@@ -203,6 +203,26 @@ def test_a_parameter_reallocated_at_an_update_end_is_planned_again():
     assert cache.plan([_specs(params, ["b.weight"])], [["b.weight"]]) == (plan_b, False, True)
 
 
+def test_a_parameter_reshaped_or_restrided_in_place_is_planned_again():
+    """Same object, same address, other shape (or no longer contiguous): the
+    plan made for it does not survive the next walk."""
+    params = _params()
+    cache = PlanCache(Walks(params))
+    plan_w, _, _ = cache.plan([_specs(params, ["a.weight"])], [["a.weight"]])
+    plan_b, _, _ = cache.plan([_specs(params, ["b.weight"])], [["b.weight"]])
+    ptr, shape = params["a.weight"].data_ptr(), tuple(params["a.weight"].shape)
+    params["a.weight"].data = params["a.weight"].data.reshape(-1)  # same storage, flat
+    assert params["a.weight"].data_ptr() == ptr
+    cache.mark_stale()
+    with pytest.raises(WeightSyncError, match="layout mismatch for 'a.weight'"):
+        cache.plan([[TensorSpec(shape, torch.float32)]], [["a.weight"]])
+    assert cache.plan([_specs(params, ["b.weight"])], [["b.weight"]]) == (plan_b, False, True)
+    params["b.weight"].data = params["b.weight"].data.t()  # same address, not contiguous
+    cache.mark_stale()
+    with pytest.raises(WeightSyncError, match="'b.weight' is not contiguous"):
+        cache.plan([_specs(params, ["b.weight"])], [["b.weight"]])
+
+
 def test_a_replaced_parameter_object_drops_every_plan():
     params = _params()
     cache = PlanCache(Walks(params))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import abc
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from sglang.srt.ray.rdt.errors import WeightSyncError, close_names, dtype_name
@@ -142,28 +143,34 @@ MAX_CACHED_PLANS = 256
 class CachedPlan:
     """The targets :func:`plan_pull` chose for one layout (per source, with
     their addresses and sizes), and what each target parameter was when
-    planned: object, address, shape, dtype, strides."""
+    planned: object, address, and the shape and dtype of its spec (which
+    :func:`plan_pull` found it has, contiguous)."""
 
-    __slots__ = ("targets", "nbytes", "count", "_params", "_checks")
+    __slots__ = ("targets", "nbytes", "count", "_params", "_ptrs", "_specs")
 
-    def __init__(self, targets: List[List[torch.Tensor]], params: Sequence[torch.Tensor]):
+    def __init__(self, targets: List[List[torch.Tensor]], params: Sequence[torch.Tensor],
+                 specs: Sequence[TensorSpec]):
         from sglang.srt.ray.rdt.transport.metadata import Targets
 
         self.targets = [Targets.of(ts) for ts in targets]
         self.nbytes = sum(int(t.nbytes.sum()) for t in self.targets)
         self.count = sum(len(ts) for ts in targets)
         self._params = list(params)
-        self._checks = _layouts(self._params)
+        # (a target is its parameter's data: the same address; nothing more is
+        # looked at per parameter here, on the way of a pull)
+        self._ptrs = np.concatenate([t.ptrs for t in self.targets]) if self.targets else None
+        self._specs = list(specs)
 
     def still_live(self) -> bool:
-        """Every target parameter still has the address, shape, dtype and
-        strides it was planned with (the plan's views keep the old storage
-        from being handed out again)."""
-        return _layouts(self._params) == self._checks
+        """Every target parameter still has the address, shape and dtype it
+        was planned with, contiguous (the plan's views keep the old storage
+        from being handed out again). Asked between updates, after a walk."""
+        from sglang.srt.ray.rdt.transport.metadata import addresses
 
-
-def _layouts(params: Sequence[torch.Tensor]) -> list:
-    return [(p.data_ptr(), p.shape, p.dtype, p.stride()) for p in params]
+        if self._ptrs is not None and not np.array_equal(addresses(self._params)[0], self._ptrs):
+            return False
+        return all(p.shape == s.shape and p.dtype == s.dtype and p.is_contiguous()
+                   for p, s in zip(self._params, self._specs))
 
 
 class PlanCache:
@@ -233,5 +240,6 @@ class PlanCache:
         targets = plan_pull(specs, names, self.params)
         if len(self._plans) >= MAX_CACHED_PLANS:
             self._plans.clear()
-        plan = self._plans[key] = CachedPlan(targets, [self.params[n] for ns in names for n in ns])
+        plan = self._plans[key] = CachedPlan(targets, [self.params[n] for ns in names for n in ns],
+                                             [sp for ss in specs for sp in ss])
         return plan, walked, False

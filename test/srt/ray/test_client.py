@@ -128,6 +128,8 @@ def test_slots_for_any_order_hold_every_step_of_every_order():
 def test_layout_check_names_the_parameter_expected_and_actual():
     layout = {"w": {"shape": [4, 4], "dtype": "bfloat16"}, "b": {"shape": [4], "dtype": "bfloat16"}}
     check_tensors(["w"], [(4, 4)], [torch.bfloat16], layout, "rank 0")
+    check_tensors(["w", "b"], [[4, 4], [4]], [torch.bfloat16] * 2, layout, "rank 0")  # (lists too)
+    check_tensors(["w"], [(4, 4)], [torch.bfloat16], {"w": {"shape": (4, 4), "dtype": "torch.bfloat16"}}, "r")
     with pytest.raises(WeightSyncError, match=r"'w' on rank 1.*dtype=float32.*dtype=bfloat16.*torch\.bfloat16"):
         check_tensors(["w"], [(4, 4)], [torch.float32], layout, "rank 1")
     with pytest.raises(WeightSyncError, match=r"shape=\[2, 4\].*shape=\[4, 4\].*own shard"):

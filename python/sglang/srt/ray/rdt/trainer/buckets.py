@@ -222,24 +222,55 @@ def check_tensors(names: Sequence[str], shapes, dtypes, layout: Mapping[str, Map
                   rank: str) -> None:
     """Raise :class:`WeightSyncError` unless every tensor fits the rank's
     ``layout`` (``get_parameter_layout()``: ``{name: {"shape", "dtype"}}``)."""
+    want_of = expected_specs(layout)
     for name, shape, dtype in zip(names, shapes, dtypes):
-        want = layout.get(name)
+        want = want_of.get(name)
         if want is None:
             raise WeightSyncError(f"{rank} has no parameter {name!r}; {close_names(name, layout)} "
                                   "Send the rollout model's parameter names (get_parameter_layout()).")
-        want_shape = tuple(int(d) for d in want["shape"])
-        want_dtype, got_dtype = dtype_name(want["dtype"]), dtype_name(dtype)
-        if tuple(shape) != want_shape or got_dtype != want_dtype:
-            fix = []
-            if got_dtype != want_dtype:
-                fix.append(f"cast with .to(torch.{want_dtype})")
-            if tuple(shape) != want_shape:
-                fix.append("send this rank's own shard (tensors must already be in the rollout "
-                           "layout: per-rank dict for TP > 1)")
-            raise WeightSyncError(
-                f"layout mismatch for {name!r} on {rank}: the trainer sent shape={list(shape)} "
-                f"dtype={got_dtype}, the rollout parameter is shape={list(want_shape)} "
-                f"dtype={want_dtype}; " + " and ".join(fix))
+        if shape != want[0] or dtype != want[2]:
+            _mismatch(name, shape, dtype, want, rank)
+
+
+# id(layout) -> (layout, {name: (shape, dtype name, torch dtype or None)}): a rank's
+# layout is the same object until the client fetches it again.
+_expected_cache: Dict[int, Tuple[Mapping[str, Any], Dict[str, tuple]]] = {}
+
+
+def expected_specs(layout: Mapping[str, Mapping[str, Any]]) -> Dict[str, tuple]:
+    """What a rank's layout expects of each tensor: ``{name: (shape, dtype
+    name, torch dtype)}``, read once per layout object (the client reads
+    each rank's when it fetches them, so an update's checks only compare)."""
+    hit = _expected_cache.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    out = {}
+    for name, want in layout.items():
+        dname = dtype_name(want["dtype"])
+        dtype = getattr(torch, dname, None)
+        out[name] = (tuple(int(d) for d in want["shape"]), dname,
+                     dtype if isinstance(dtype, torch.dtype) else None)
+    if len(_expected_cache) >= 64:
+        _expected_cache.clear()
+    _expected_cache[id(layout)] = (layout, out)
+    return out
+
+
+def _mismatch(name: str, shape, dtype, want: tuple, rank: str) -> None:
+    want_shape, want_dtype = want[0], want[1]
+    got_dtype = dtype_name(dtype)
+    if tuple(shape) == want_shape and got_dtype == want_dtype:
+        return  # (a dtype this torch does not name the same way)
+    fix = []
+    if got_dtype != want_dtype:
+        fix.append(f"cast with .to(torch.{want_dtype})")
+    if tuple(shape) != want_shape:
+        fix.append("send this rank's own shard (tensors must already be in the rollout "
+                   "layout: per-rank dict for TP > 1)")
+    raise WeightSyncError(
+        f"layout mismatch for {name!r} on {rank}: the trainer sent shape={list(shape)} "
+        f"dtype={got_dtype}, the rollout parameter is shape={list(want_shape)} "
+        f"dtype={want_dtype}; " + " and ".join(fix))
 
 
 def check_strict(sent: Iterable[str], layout: Mapping[str, Any], rank: str) -> None:

@@ -284,6 +284,8 @@ class WeightSyncClient:
         """Each rank's ``{name: {"shape", "dtype", "data_ptr"}}`` (cached)."""
         if self._layouts is None or refresh:
             self._layouts = self._call_all("get_parameter_layout")
+            for layout in self._layouts:
+                buckets.expected_specs(layout)
         return self._layouts
 
     def status(self) -> List[Dict[str, Any]]:

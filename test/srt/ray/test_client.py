@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def test_slots_for_any_order_hold_every_step_of_every_order():
     """register()'s slots (no tensors given) hold any step an update of the
     ranks' parameters makes, in any order of its tensors."""
     sizes = [4096, 100, 4096, 100, 9000, 100, 4096, 100]
-    rng = __import__("random").Random(5)
+    rng = random.Random(5)
     for group_bytes in (5000, 8192, 1 << 20):
         for layouts in ([sizes], [sizes, sizes[:4]]):
             slot = buckets.slot_bytes_for(layouts, group_bytes)

@@ -245,11 +245,10 @@ class WeightSyncClient:
         layouts = {}
         for layout in self._layouts:
             sizes = []
-            for p in layout.values():
-                dtype = getattr(torch, str(p["dtype"]).replace("torch.", ""), None)
-                if not isinstance(dtype, torch.dtype):
+            for shape, _, dtype in buckets.expected_specs(layout).values():
+                if dtype is None:
                     return None
-                sizes.append(torch.Size(p["shape"]).numel() * dtype.itemsize)
+                sizes.append(torch.Size(shape).numel() * dtype.itemsize)
             layouts[tuple(sizes)] = None  # (replicas share a layout: one rank group)
         return buckets.slot_bytes_for(list(layouts), self.bucket_bytes)
 

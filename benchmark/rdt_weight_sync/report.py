@@ -48,8 +48,9 @@ def client_row(name: str, res: Dict[str, Any], ceiling_s: float, bucket_bytes: i
 
 # The parts of a steady update, in order (trainer.timeline).
 TIMELINE = ("before_send", "to_rank", "pulls", "copy", "gaps", "after")
-# ... and "after" in parts: the update's end on the rank, the answer's way back, the client's end.
-AFTER = ("end_on_rank", "answer", "client_end")
+# ... and "after" in parts: the update's end on the rank, the answer's way back, the wait on a
+# fenced pull's copy, the rest of the client's end.
+AFTER = ("end_on_rank", "answer", "fence_wait", "client_end")
 
 
 def simple_row(name: str, res: Dict[str, Any], ceiling_s: float) -> Dict[str, Any]:

@@ -240,7 +240,9 @@ def timeline(t0: float, t1: float, steps: List[Dict[str, Any]]) -> Dict[str, flo
     rank's pulls (and the copies in them), the rank idle between its pulls,
     and after the last pull ended (answer, land, the update's end); that last
     part split into the update's end on the rank (a pull that ended it), the
-    answer's way back, and the client's own end."""
+    answer's way back, the client's wait on a fenced pull's copy (a fenced
+    pull's "copy" is its queuing: the copy runs on through the end on the
+    rank, the answer and this wait) and the rest of the client's end."""
     ranked = [s for s in steps if s["rank_timing"].get("pull_start")]
     if not ranked:
         return {}
@@ -248,12 +250,13 @@ def timeline(t0: float, t1: float, steps: List[Dict[str, Any]]) -> Dict[str, flo
     ends = [s["rank_timing"]["pull_end"] for s in ranked]
     last = ranked[-1]
     ended = last["rank_timing"].get("ended", ends[-1])
+    fence = sum(s["rank_timing"].get("fence_seconds", 0.0) for s in ranked)
     return {"before_send": ranked[0]["sent_at"] - t0, "to_rank": starts[0] - ranked[0]["sent_at"],
             "pulls": sum(e - b for b, e in zip(starts, ends)),
             "copy": sum(s["rank_timing"].get("copy_seconds", 0.0) for s in ranked),
             "gaps": sum(max(0.0, b - e) for e, b in zip(ends, starts[1:])), "after": t1 - ends[-1],
             "end_on_rank": ended - ends[-1], "answer": last["received_at"] - ended,
-            "client_end": t1 - last["received_at"]}
+            "fence_wait": fence, "client_end": t1 - last["received_at"] - fence}
 
 
 def _by_bytes(names, tensors, bucket_bytes: int):

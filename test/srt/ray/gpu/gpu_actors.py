@@ -116,6 +116,19 @@ class GpuTrainer:
         return {k: d[k] for k in ("path", "transport", "lane_calls", "tensors", "bytes", "held_bytes")} | {
             "steps": len(d["buckets"])}
 
+    def update_then_overwrite(self, n: int, numel: int, seed: int, version: str) -> Dict[str, Any]:
+        """One update of fresh tensors, then every one of them overwritten
+        (-1) the moment ``update()`` returns, as a trainer reusing its memory
+        would. Returns the steps' rank timing (``fence_seconds``: the client
+        waited on the rank's copy)."""
+        with self.client.staging():
+            named = {name: pattern(numel, seed, i, self.device) for i, name in enumerate(weight_names(n))}
+        stats = self.client.update(named, version=version)
+        for t in named.values():
+            t.fill_(-1.0)
+        torch.cuda.synchronize(self.device)
+        return {"steps": [dict(b.rank_timing) for b in stats.buckets], "transport": stats.transport}
+
     def close(self) -> bool:
         if self.client is not None:
             self.client.close()

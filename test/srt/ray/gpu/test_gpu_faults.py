@@ -1,6 +1,7 @@
 """Weight sync on one GPU, trainer and rank in two processes: CUDA IPC reads
-through the rank's call lane, fresh tensors every update, and a trainer that
-dies while a pull of its tensors is in flight.
+through the rank's call lane, fresh tensors every update, an update's copy
+done before the trainer reuses its memory, and a trainer that dies while a
+pull of its tensors is in flight.
 
 GPU only: skipped where ``torch.cuda.is_available()`` is false, and not part
 of ``make test`` (run it on a CUDA machine with
@@ -82,6 +83,30 @@ def test_fresh_tensors_every_update_land_byte_for_byte_over_cuda_ipc(gpu_ray):
         assert st["kept_mappings"]["kept_mappings"] >= 1 and st["lane"]["open"] is True
         ray.get(trainer.close.remote(), timeout=120)
         assert status(rank)["kept_mappings"]["kept_mappings"] == 0  # let go on the client's close
+    finally:
+        ray.kill(trainer)
+        ray.kill(rank)
+
+
+def test_an_update_that_returned_is_copied_whole_before_the_trainer_reuses_its_memory(gpu_ray):
+    """The rank answers a pull of the staging pool once its copy is queued;
+    the client waits on the rank's event before update() returns. 1 GiB as
+    32 x 32 MiB, overwritten by the trainer right after each update returns:
+    the rank holds the update's bytes, not the overwrite's."""
+    n, numel = 32, 1 << 23
+    rank = GpuRank.options(**actor_options()).remote(n, numel)
+    trainer = GpuTrainer.options(**actor_options()).remote()
+    try:
+        assert ray.get(trainer.connect.remote(rank), timeout=300)["direct"] is True
+        for seed in (21, 22):
+            out = ray.get(trainer.update_then_overwrite.remote(n, numel, seed, f"v{seed}"), timeout=300)
+            assert out["transport"] == "cuda_ipc" and len(out["steps"]) == 1, out
+            assert "fence_seconds" in out["steps"][0], out  # the rank answered before its copy was done
+            sums = ray.get(rank.get_parameter_checksums.remote(), timeout=300)
+            want = {name: sha256(pattern(numel, seed, i)) for i, name in enumerate(weight_names(n))}
+            assert sums == want
+        st = status(rank)
+        assert (st["weights_consistent"], st["weight_version"], st["failures"]) == (True, "v22", {})
     finally:
         ray.kill(trainer)
         ray.kill(rank)

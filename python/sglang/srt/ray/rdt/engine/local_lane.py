@@ -16,7 +16,11 @@ a pull is handed to one of :data:`PULL_WORKERS` threads that waits for the
 scheduler to run it and answers it, so the next pull is read and queued at
 the scheduler's safe point while this one copies (back to back, no round
 trip between them). Anything else on a connection, and its end, waits for
-that connection's pulls first.
+that connection's pulls first. A pull that asks for a fence (a GPU read of
+the staging pool) is answered as soon as its copy is queued: the trainer
+waits on the rank's inter-process event (handed out with the lane) before it
+lets go of its tensors, and the scheduler waits for the copy before its next
+work (``RankWeightSync._settle_next``).
 
 Who may call: the socket lives in a fresh 0700 directory, and every request
 carries the lane's 16-byte secret, checked before the request is unpickled.
@@ -297,7 +301,7 @@ class RankLane:
             if len(conn.sources) >= MAX_LAYOUTS and source_id not in conn.sources:
                 conn.sources.clear()
             conn.sources[source_id] = meta
-        source = LocalSource(meta, conn.writer, specs)
+        source = LocalSource(meta, conn.writer, specs, fence=op == "pull" and bool(kw.get("fence")))
         if op == "prepare":
             return self._rank.prepare_sources([source], [names], key)
         return lambda: self._rank.pull_sources([source], [names], kw.get("timeout"), key, kw.get("finalize"))

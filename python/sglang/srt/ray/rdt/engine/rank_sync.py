@@ -128,6 +128,7 @@ class RankWeightSync:
             self.lane = RankLane(self, after_reply=self.prepare_next_pull)
         out = self.lane.open(sender, pid)
         out["node_id"] = same_node.node_id()
+        out["fence"] = same_node.fence(self.device)
         return out
 
     def _probe_read(self, probe) -> Optional[str]:
@@ -187,6 +188,8 @@ class RankWeightSync:
             why = self.quiesced()
             if why is None:
                 out = self.receiver.pull(make_sources(), names, timeout, key)
+                if out.get("fenced"):
+                    self._settle_next(names)
                 if finalize is not None:
                     ending.append(True)
                     out["finalized"] = self._finalize_here(finalize.get("weight_version"),
@@ -216,6 +219,23 @@ class RankWeightSync:
             if kind is not None:
                 self.state.fail(kind)
             raise
+
+    def _settle_next(self, names) -> None:
+        """A fenced pull returned with its copy queued (the trainer waits on
+        the rank's event): the scheduler waits for it right after this turn's
+        work, before it may run a batch, close a mapping or read again."""
+        def settle(_scheduler=None):
+            try:
+                same_node.settle()
+            except Exception as e:  # the GPU failed the copy: whatever landed is not whole
+                flat = [n for ns in names for n in (ns if isinstance(ns, (list, tuple)) else [ns])]
+                reason = f"a copy into {len(flat)} parameters failed after its pull returned " \
+                         f"({type(e).__name__}: {e})"
+                logger.error("[RDT] %s", reason)
+                self.state.transfer_failed(flat, reason)
+
+        if not self.safe_point.post(settle):
+            settle()  # (no loop yet, or it stopped: here and now)
 
     def prepare_sources(self, sources, names, key: Any = None) -> Dict[str, Any]:
         """Plan a lane pull and map its kept segments, writing nothing (no pause needed)."""

@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 # How often a waiting call looks whether the rank's process still exists.
 LIVENESS_CHECK_S = 0.25
+# A fence is looked at without a pause this long (a copy takes milliseconds),
+# then every FENCE_NAP_S.
+FENCE_SPIN_S = 0.05
+FENCE_NAP_S = 0.0005
 
 
 class RankGone(RuntimeError):
@@ -74,10 +78,13 @@ class LaneCall:
 
 
 class RankLink:
-    """The trainer's connection to one rank's lane."""
+    """The trainer's connection to one rank's lane. ``fence``: the rank's
+    inter-process CUDA event, opened here, that a fenced pull's copy records
+    (None: its pulls answer once their copy is done)."""
 
-    def __init__(self, address: str, secret: bytes, pid: int, sender: str):
+    def __init__(self, address: str, secret: bytes, pid: int, sender: str, fence=None):
         self.address, self._secret, self.pid = address, secret, int(pid)
+        self.fence = fence
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.settimeout(FRAME_TIMEOUT_S)  # connect, and a frame once started
@@ -139,9 +146,41 @@ class RankLink:
                 raise RankGone(f"the rank's process (pid {self.pid}) exited during the call")
         return self._early.pop(req_id)
 
+    def wait_fence(self, deadline: float) -> float:
+        """Wait until the rank's last fenced copy is done (its answer came
+        first); returns the seconds waited (see :func:`wait_for_event`)."""
+        try:
+            return wait_for_event(self.fence, self.pid, deadline)
+        except RankGone:
+            self.broken = True
+            raise
+
     def close(self) -> None:
         self.broken = True
         self._sock.close()
+
+
+def wait_for_event(event, pid: int, deadline: float) -> float:
+    """Wait until ``event`` (a rank's, opened here) has completed; returns
+    the seconds waited. :class:`RankGone` when process ``pid`` exits first,
+    ``TimeoutError`` past ``deadline`` (``time.monotonic()``): never hangs."""
+    t0 = time.monotonic()
+    look = t0 + LIVENESS_CHECK_S
+    while not event.query():
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(f"the rank's copy (pid {pid}) did not finish within the timeout "
+                               "after its pull returned")
+        if now > look:
+            if not pid_alive(pid):
+                raise RankGone(f"the rank's process (pid {pid}) exited while it copied the "
+                               "trainer's tensors")
+            look = now + LIVENESS_CHECK_S
+        if now - t0 < FENCE_SPIN_S:
+            os.sched_yield()
+        else:
+            time.sleep(FENCE_NAP_S)
+    return time.monotonic() - t0
 
 
 class Lanes:
@@ -180,7 +219,8 @@ class Lanes:
                     logger.warning("[RDT] %s cannot read this process's memory (%s); its pulls go "
                                    "through Ray", r.label(), info["unreadable"])
                 elif info.get("node_id") == here:
-                    self.links[r.index] = RankLink(info["address"], info["secret"], info["pid"], token)
+                    self.links[r.index] = RankLink(info["address"], info["secret"], info["pid"], token,
+                                                   _open_fence(info.get("fence"), probe.device))
             except Exception as e:
                 logger.warning("[RDT] no call lane to %s (%s: %s); its pulls go through Ray",
                                r.label(), type(e).__name__, str(e).splitlines()[0][:200])
@@ -192,14 +232,17 @@ class Lanes:
         return None if link is None or link.broken else link
 
     def pull(self, rank: int, group, meta, timeout: Optional[float], prepare: bool = False,
-             finalize: Optional[Dict[str, Any]] = None) -> LaneCall:
+             finalize: Optional[Dict[str, Any]] = None, fence: bool = False) -> LaneCall:
         """Send rank ``rank`` a pull of ``meta`` (a same-node description of
         ``group``'s tensors); the group's layout (names, shapes, dtypes) goes
         along the first time this lane sees it, later pulls name its id; so
         does a description of kept memory (the staging pool) the exporter
         remembers (the same tensors' places, update after update).
         ``finalize``: the rank ends the update right after this pull (see
-        :meth:`~sglang.srt.ray.rdt.engine.rank_sync.RankWeightSync.pull_sources`)."""
+        :meth:`~sglang.srt.ray.rdt.engine.rank_sync.RankWeightSync.pull_sources`).
+        ``fence``: the rank may answer once its copy is queued (where the lane
+        has the rank's event): the caller then :meth:`wait_fence` before it
+        lets go of the tensors."""
         link = self.links[rank]
         first = group.layout not in link.defined
         kept = meta.ipc.kept_id if meta.ipc is not None else 0
@@ -207,7 +250,8 @@ class Lanes:
         call = link.send("prepare" if prepare else "pull", {
             "layout": group.layout, "names": list(group.names) if first else None,
             "specs": group.specs() if first else None, "timeout": timeout,
-            "source": None if known else meta, "source_id": kept, "finalize": finalize})
+            "source": None if known else meta, "source_id": kept, "finalize": finalize,
+            "fence": fence and link.fence is not None})
         call.defines = group.layout if first else None
         call.defines_source = 0 if known else kept
         return call
@@ -222,8 +266,31 @@ class Lanes:
         if call.defines_source:
             link.sources.add(call.defines_source)
 
+    def wait_fence(self, rank: int, deadline: float) -> float:
+        """Wait for ``rank``'s fenced copy (its pull's answer said ``fenced``)."""
+        return self.links[rank].wait_fence(deadline)
+
     def close(self) -> None:
         for link in self.links.values():
             link.close()
         self.links.clear()
         self.opened = False
+
+
+def _open_fence(info: Optional[Dict[str, Any]], device):
+    """The rank's fence event opened in this process (see :class:`RankLink`),
+    or None: off CUDA, the rank on another GPU than ``device`` (the trainer's;
+    only a rank on the trainer's own GPU fences its reads), or the driver refused."""
+    if not info or device.type != "cuda":
+        return None
+    try:
+        import torch
+
+        from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
+
+        if device_uuid(device.index) != info["gpu"]:
+            return None
+        return torch.cuda.Event.from_ipc_handle(device.index, info["handle"])
+    except Exception as e:  # its pulls answer once copied, as without a fence
+        logger.info("[RDT] the rank's fence event cannot be opened here (%s: %s)", type(e).__name__, e)
+        return None

@@ -186,10 +186,14 @@ class Update:
         finalize = None
         if self.ends_with_pull:  # (its one step)
             finalize = {"weight_version": self.version, "flush_cache": self.flush_cache}
+        # A mapping read in place: the ranks answer once their copy is queued
+        # and _land waits on their events (the ranks' own work and the answers
+        # overlap the copy). A stream's groups are released on the answers.
+        fence = self.route.direct and not self.stream
         for (rg, group), (ref, meta) in zip(step, flight.sources):
             for r in self.rank_groups[rg]:
                 if r in self.route.lanes:
-                    call = c.lanes.pull(r, group, meta, timeout, finalize=finalize)
+                    call = c.lanes.pull(r, group, meta, timeout, finalize=finalize, fence=fence)
                     self.lane_calls += 1
                 else:
                     call = c.ranks[r].actor.pull_weights.remote([ref], group.names, timeout)
@@ -267,6 +271,10 @@ class Update:
             stats.rank_timing = {**(res.get("timing") or {}),
                                  "copy_seconds": sum(r.get("copy_seconds", 0.0) for r in res.get("reads", ())),
                                  "plan_seconds": res.get("plan_seconds", 0.0)}
+        fenced = [r for r, call in flight.calls if isinstance(call, LaneCall) and results[r].get("fenced")]
+        if fenced:  # their copies may still read the trainer's tensors
+            deadline = time.monotonic() + self.wait_s
+            stats.rank_timing["fence_seconds"] = max(c.lanes.wait_fence(r, deadline) for r in fenced)
         flight.step = []  # the trainer's tensors (direct) are let go here
         self.steps_done.append(stats)
         if self.progress is not None:

@@ -12,9 +12,14 @@ CUDA forbids a process to free memory another process still has mapped, so a
 reader closes the mappings of a read once the copy is done, unless the
 segment is *kept* (the trainer's staging pool, ``trainer/staging.py``): kept
 segments stay mapped until their sender asks readers to let go
-(:meth:`CudaIpcReader.release`) or its process is gone. No inter-process CUDA
-event is waited on: the sender synchronises its device before its tensors are
-read, and the reader synchronises its copy on the host.
+(:meth:`CudaIpcReader.release`) or its process is gone. The sender
+synchronises its device before its tensors are read; the reader synchronises
+its copy on the host, unless the read is *fenced*: then the copy of kept
+segments is left running, the reader records its inter-process event
+(:meth:`CudaIpcReader.fence`) after it, and the sender waits on that event
+before it lets go of its tensors, while the reader finishes its own work
+(:meth:`CudaIpcReader.settle` waits for the copy on this side; nothing is
+closed or read again before it).
 """
 
 from __future__ import annotations
@@ -199,6 +204,33 @@ class CudaIpcReader:
         self._resolved: Dict[int, tuple] = {}
         self._kept_gen = 0
         self._no_kernel: Optional[str] = None
+        self._fences: Dict[int, torch.cuda.Event] = {}  # ordinal -> this reader's event
+        self._unsettled: Optional[torch.cuda.Event] = None  # a fenced copy not yet waited for here
+
+    def fence(self, ordinal: int) -> torch.cuda.Event:
+        """The inter-process event a fenced read on GPU ``ordinal`` records
+        after its copy (made once; a sender opens it from its IPC handle)."""
+        with self.lock:
+            return self._fence_locked(ordinal)
+
+    def _fence_locked(self, ordinal: int) -> torch.cuda.Event:
+        ev = self._fences.get(ordinal)
+        if ev is None:
+            with torch.cuda.device(ordinal):
+                ev = torch.cuda.Event(interprocess=True)
+                ev.record(torch.cuda.current_stream(ordinal))  # (created on this device now)
+            self._fences[ordinal] = ev
+        return ev
+
+    def settle(self) -> None:
+        """Wait for a fenced copy still running."""
+        with self.lock:
+            self._settle_locked()
+
+    def _settle_locked(self) -> None:
+        ev, self._unsettled = self._unsettled, None
+        if ev is not None:
+            ev.synchronize()
 
     def ordinal(self, uuid_str: str) -> Optional[int]:
         if uuid_str not in self._ordinals:
@@ -218,11 +250,14 @@ class CudaIpcReader:
             return f"target buffers on {device}"
         return None
 
-    def read(self, part: IpcPart, targets: Targets, device, copy: bool = True) -> ReadResult:
+    def read(self, part: IpcPart, targets: Targets, device, copy: bool = True,
+             fence: bool = False) -> ReadResult:
         """Copy ``part``'s tensors into ``targets`` (all on ``device``).
-        ``copy=False``: map the kept segments only. Raises
-        :class:`MappingFailed` before any byte moved when a segment cannot be
-        mapped (another reader, e.g. NIXL, may still serve the read)."""
+        ``copy=False``: map the kept segments only. ``fence``: when every
+        segment is kept, return once the copy is queued, with this reader's
+        event recorded after it (``res.fenced``; see the module docstring).
+        Raises :class:`MappingFailed` before any byte moved when a segment
+        cannot be mapped (another reader, e.g. NIXL, may still serve the read)."""
         t0 = time.perf_counter()
         targets.check(part.nbytes)
         dst_ord = device.index if device.index is not None else torch.cuda.current_device()
@@ -235,12 +270,18 @@ class CudaIpcReader:
             drv.push(dst_ord)
             launched = False
             try:
+                self._settle_locked()
                 src = self._sources(drv, part, dst_ord, res, transient, copy)
                 if copy and len(targets.tensors):
                     t1 = time.perf_counter()
                     launched = True
                     res.method = self._copy(drv, targets, src, part.nbytes, src_ord, dst_ord)
-                    stream.synchronize()
+                    if fence and not transient:
+                        ev = self._fence_locked(dst_ord)
+                        ev.record(stream)
+                        self._unsettled, res.fenced = ev, True
+                    else:
+                        stream.synchronize()
                     launched = False
                     res.copy_seconds = time.perf_counter() - t1
             finally:
@@ -379,6 +420,7 @@ class CudaIpcReader:
         return table
 
     def _close(self, drv, ptr: int) -> None:
+        self._settle_locked()  # (a fenced copy may still read it)
         try:
             drv.ipc_close(ptr)
         except CudaDriverError as e:  # pragma: no cover - best effort

@@ -84,7 +84,8 @@ class ReadResult:
     opened: int = 0  # CUDA IPC mappings opened for this read
     reused: int = 0  # mappings found open (kept segments)
     closed: int = 0  # mappings of segments not kept, closed after the copy
-    copy_seconds: float = 0.0
+    copy_seconds: float = 0.0  # (a fenced read: queuing the copy)
+    fenced: bool = False  # the copy may still run: see cuda_ipc.CudaIpcReader.fence
 
     @property
     def label(self) -> str:

@@ -22,7 +22,7 @@ from sglang.srt.ray.rdt.transport.cma import CmaPath, export_cma
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader
 from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransportMetadata, Targets
 
-__all__ = ["Targets", "export", "read", "unusable", "release", "token", "node_id", "reach"]
+__all__ = ["Targets", "export", "read", "fence", "settle", "unusable", "release", "token", "node_id", "reach"]
 
 _TOKEN = uuid.uuid4().hex
 _lock = threading.Lock()  # guards building the exporter and readers once, and the keepers
@@ -121,14 +121,42 @@ def unusable(meta: SglangIpcTransportMetadata, device) -> Optional[str]:
     return meta.ipc_unavailable or "the sender put no same-node part"
 
 
-def read(meta: SglangIpcTransportMetadata, targets: Targets, device, copy: bool = True) -> ReadResult:
+def read(meta: SglangIpcTransportMetadata, targets: Targets, device, copy: bool = True,
+         fence: bool = False) -> ReadResult:
     """Read ``meta``'s tensors into ``targets`` (call :func:`unusable` first).
+    ``fence``: a GPU read of kept memory may return with its copy still
+    running (``fenced`` in the result: the sender waits on :func:`fence`'s
+    event, this process calls :func:`settle` before its next work).
     :class:`~.metadata.MappingFailed`: refused before any byte moved; anything
     else raised means bytes may have landed."""
     _, ipc, cma = _parts()
     if meta.cma is not None:
         return cma.read(meta.cma, targets, copy)
-    return ipc.read(meta.ipc, targets, device, copy)
+    return ipc.read(meta.ipc, targets, device, copy, fence)
+
+
+def fence(device) -> Optional[Dict[str, Any]]:
+    """What a sender on this node needs to wait for this process's fenced
+    reads into ``device``: the event's IPC handle and the GPU's UUID (None
+    off CUDA, or when the event cannot be shared)."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
+
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        return {"handle": _parts()[1].fence(ordinal).ipc_handle(), "gpu": device_uuid(ordinal)}
+    except Exception as e:  # the reads then synchronise here, as before
+        import logging
+
+        logging.getLogger(__name__).info("[RDT] no inter-process event for fenced reads: %s", e)
+        return None
+
+
+def settle() -> None:
+    """Wait for this process's fenced copy still running, if any."""
+    if _ipc_reader is not None:
+        _ipc_reader.settle()
 
 
 def map_kept(meta: SglangIpcTransportMetadata, device) -> int:

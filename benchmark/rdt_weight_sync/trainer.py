@@ -139,7 +139,7 @@ class BenchTrainer:
                 "steps": len(steps), "fill_seconds": sum(s["fill_seconds"] for s in steps),
                 "timeline": timeline(t0, t0 + seconds, steps),
                 "step_timing": [{"sent": s["sent_at"] - t0, "received": s["received_at"] - t0,
-                                 **{k: (v - t0 if k in ("pull_start", "pull_end", "ended") else v)
+                                 **{k: (v if k.endswith("_seconds") else v - t0)
                                     for k, v in s["rank_timing"].items()}} for s in steps],
                 "pull_seconds": sum(s["pull_seconds"] for s in steps),
                 **{k: d[k] for k in ("path", "transport", "lane_calls", "held_bytes", "begin_seconds",

@@ -41,6 +41,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, Dict, List, Optional
@@ -203,6 +204,7 @@ class RankLane:
             body = recv_frame(sock)
         except (OSError, ConnectionError):
             return False
+        received = time.perf_counter()
         if body is None or len(body) < SECRET_BYTES + ID_BYTES:
             return False  # closed, or not one of ours
         secret, req_id = body[:SECRET_BYTES], body[SECRET_BYTES:SECRET_BYTES + ID_BYTES]
@@ -212,13 +214,17 @@ class RankLane:
             reply = self._handle(conn, body[SECRET_BYTES + ID_BYTES:])
         if callable(reply):  # a pull: a worker answers it once done
             conn.pulls = [f for f in conn.pulls if not f.done()]
-            conn.pulls.append(self._workers.submit(self._answer_later, sock, conn, req_id, reply))
+            conn.pulls.append(self._workers.submit(self._answer_later, sock, conn, req_id, reply, received))
             return True
         return self._answer(sock, conn, req_id, reply)
 
-    def _answer_later(self, sock, conn: _Connection, req_id: bytes, pull) -> None:
+    def _answer_later(self, sock, conn: _Connection, req_id: bytes, pull, received: float) -> None:
+        picked = time.perf_counter()
         try:
-            reply = ("ok", pull())
+            out = pull()
+            if isinstance(out.get("timing"), dict):  # (where the way to the scheduler went)
+                out["timing"].update(lane_received=received, lane_picked=picked)
+            reply = ("ok", out)
         except BaseException as e:
             reply = ("raise", e)
         if not self._answer(sock, conn, req_id, reply):

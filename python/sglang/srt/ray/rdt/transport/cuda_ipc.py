@@ -253,7 +253,8 @@ class CudaIpcReader:
     def read(self, part: IpcPart, targets: Targets, device, copy: bool = True,
              fence: bool = False) -> ReadResult:
         """Copy ``part``'s tensors into ``targets`` (all on ``device``).
-        ``copy=False``: map the kept segments only. ``fence``: when every
+        ``copy=False``: map the kept segments only (and make the copy's kernel
+        table of a description wholly in kept memory). ``fence``: when every
         segment is kept, return once the copy is queued, with this reader's
         event recorded after it (``res.fenced``; see the module docstring).
         Raises :class:`MappingFailed` before any byte moved when a segment
@@ -284,6 +285,8 @@ class CudaIpcReader:
                         stream.synchronize()
                     launched = False
                     res.copy_seconds = time.perf_counter() - t1
+                elif len(targets.tensors) and part.kept_id and src_ord == dst_ord and self._no_kernel is None:
+                    self._table(targets, src, part.nbytes, dst_ord)  # the first read's, made now
             finally:
                 if launched:  # a copy may still read the mappings: let it end first
                     try:
@@ -319,7 +322,7 @@ class CudaIpcReader:
             res.reused += len(part.segments)
             return hit[2]
         src = self._map(drv, part, ordinal, res, transient, copy)[part.seg] + part.offset
-        if copy and part.kept_id and not transient:  # every segment stays mapped
+        if part.kept_id and not transient:  # every segment is kept: mapped now, and stays
             if len(self._resolved) >= 1024:
                 self._resolved.clear()
             self._resolved[id(part)] = (part, (self._kept_gen, ordinal), src)

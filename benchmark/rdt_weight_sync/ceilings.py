@@ -94,7 +94,8 @@ def cuda_ceilings(specs, src_idx: int, dst_idx: int, reps: int) -> Dict[str, Any
     except Exception as e:  # pragma: no cover - a driver without it
         out["ce_batch_error"] = f"{type(e).__name__}: {e}"
     kernel = cuda_driver.copy_kernel(dst_idx)
-    table = torch.from_numpy(cuda_driver.chunk_table(dptr, sptr, size).view(np.int64)).to(d1)
+    table = kernel.table(dptr, sptr, size)  # (on d1's current stream)
+    torch.cuda.synchronize(d1)
     row("kernel", "SM copy kernel, one launch (the product's)",
         lambda: (kernel.launch(table.data_ptr(), table.numel() // 3, stream.cuda_stream), stream.synchronize()))
     del src, dst, table

@@ -34,7 +34,7 @@ from sglang.srt.ray.rdt.transport.cma import (
     process_start_time,
     split_copies,
 )
-from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, chunk_table
+from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, copy_rows
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader
 from sglang.srt.ray.rdt.transport.metadata import CmaPart, IpcPart, MappingFailed, Targets, addresses
 
@@ -674,26 +674,26 @@ def test_a_reader_says_why_it_cannot_read_a_part(fake_cuda, monkeypatch):
 # --------------------------------------------------------------------------- #
 # The copy kernel's table
 # --------------------------------------------------------------------------- #
-def test_chunk_table_cuts_every_copy_into_chunks_in_order():
-    rows = chunk_table([1000, 9000, 20000], [50000, 60000, 70000], [250, 0, 100], chunk=100)
-    rows = rows.reshape(-1, 3).tolist()
-    assert rows == [
-        [1000, 50000, 100], [1100, 50100, 100], [1200, 50200, 50],  # 2.5 chunks
-        [20000, 70000, 100],  # exactly one chunk; the empty copy has none
+def test_copy_rows_give_every_copy_the_index_of_its_first_chunk():
+    rows, nchunks = copy_rows([1000, 9000, 20000], [50000, 60000, 70000], [250, 0, 100], chunk=100)
+    assert rows.dtype == np.uint64
+    assert rows.reshape(-1, 4).tolist() == [
+        [1000, 50000, 250, 0],  # chunks 0, 1, 2 (2.5 chunks)
+        [9000, 60000, 0, 3],  # none
+        [20000, 70000, 100, 3],  # chunk 3: exactly one
     ]
-    assert rows == chunk_table(np.array([1000, 9000, 20000], np.int64),
-                               np.array([50000, 60000, 70000], np.int64),
-                               np.array([250, 0, 100], np.int64), chunk=100).reshape(-1, 3).tolist()
-    assert chunk_table([], [], [], chunk=100).size == 0
+    assert nchunks == 4
+    again, n = copy_rows(np.array([1000, 9000, 20000], np.int64), np.array([50000, 60000, 70000], np.int64),
+                         np.array([250, 0, 100], np.int64), chunk=100)
+    assert again.tolist() == rows.tolist() and n == 4
+    empty, n = copy_rows([], [], [], chunk=100)
+    assert empty.size == 0 and n == 0
 
 
-def test_chunk_table_covers_every_byte_once_at_the_default_chunk_size():
-    nbytes = [3 * MiB + 17, 1, MiB]
-    dst, src = [1 << 40, 2 << 40, 3 << 40], [5 << 40, 6 << 40, 7 << 40]
-    rows = chunk_table(dst, src, nbytes).reshape(-1, 3).astype(np.int64)
-    assert rows[:, 2].max() <= cuda_driver.CHUNK_BYTES and rows[:, 2].min() > 0
-    for d, s, n in zip(dst, src, nbytes):
-        mine = rows[(rows[:, 0] >= d) & (rows[:, 0] < d + n)]
-        assert mine[:, 2].sum() == n
-        assert (mine[:, 1] - mine[:, 0] == s - d).all()  # each chunk reads what it writes
-        assert (np.diff(mine[:, 0]) == mine[:-1, 2]).all()  # back to back, no gap or overlap
+def test_copy_rows_number_the_chunks_of_every_copy_back_to_back_at_the_default_chunk_size():
+    nbytes = [3 * MiB + 17, 1, MiB, 0, cuda_driver.CHUNK_BYTES]
+    rows, nchunks = copy_rows([1 << 40] * 5, [2 << 40] * 5, nbytes)
+    first = rows.reshape(-1, 4)[:, 3].astype(np.int64)
+    per_copy = [-(-n // cuda_driver.CHUNK_BYTES) for n in nbytes]  # 13, 1, 4, 0, 1
+    assert per_copy == [13, 1, 4, 0, 1]
+    assert first.tolist() == [0, 13, 14, 18, 18] and nchunks == 19

@@ -285,8 +285,11 @@ class CudaIpcReader:
                         stream.synchronize()
                     launched = False
                     res.copy_seconds = time.perf_counter() - t1
-                elif len(targets.tensors) and part.kept_id and src_ord == dst_ord and self._no_kernel is None:
-                    self._table(targets, src, part.nbytes, dst_ord)  # the first read's, made now
+                elif len(targets.tensors) and part.kept_id and src_ord == dst_ord:
+                    kernel = self._kernel(dst_ord)
+                    if kernel is not None:  # the first read's table, made now
+                        self._table(kernel, targets, src, part.nbytes)
+                        stream.synchronize()  # (a pull may run on another stream)
             finally:
                 if launched:  # a copy may still read the mappings: let it end first
                     try:
@@ -377,9 +380,8 @@ class CudaIpcReader:
             scratch = torch.empty(cuda_driver.CHUNK_BYTES, dtype=torch.uint8, device=device)
             src = np.array([p for p, _ in mappings], np.int64)
             n = np.array([size for _, size in mappings], np.int64)
-            host = cuda_driver.chunk_table(np.zeros(len(src), np.int64), src, n)
-            host[0::3] = scratch.data_ptr()  # every chunk lands on the one scratch chunk
-            table = torch.from_numpy(host.view(np.int64)).to(device)
+            dst = np.full(len(src), scratch.data_ptr(), np.int64)
+            table = kernel.table(dst, src, n, same_dst=True)  # every chunk lands on the scratch chunk
             stream = torch.cuda.current_stream(ordinal)
             kernel.launch(table.data_ptr(), table.numel() // 3, stream.cuda_stream)
             stream.synchronize()
@@ -389,16 +391,11 @@ class CudaIpcReader:
     def _copy(self, drv, targets: Targets, src: np.ndarray, nbytes: np.ndarray,
               src_ord: int, dst_ord: int) -> str:
         stream = torch.cuda.current_stream(dst_ord).cuda_stream
-        if src_ord == dst_ord and self._no_kernel is None:
-            try:
-                kernel = cuda_driver.copy_kernel(dst_ord)
-            except (OSError, CudaDriverError) as e:
-                self._no_kernel = str(e)
-                logger.warning("[RDT] no SM copy kernel (%s): one copy-engine call per tensor", e)
-            else:
-                table = self._table(targets, src, nbytes, dst_ord)
-                kernel.launch(table.data_ptr(), table.numel() // 3, stream)
-                return "kernel"
+        kernel = self._kernel(dst_ord) if src_ord == dst_ord else None
+        if kernel is not None:
+            table = self._table(kernel, targets, src, nbytes)
+            kernel.launch(table.data_ptr(), table.numel() // 3, stream)
+            return "kernel"
         if src_ord != dst_ord:
             try:
                 cuda_driver.memcpy_batch(drv, targets.ptrs, src, nbytes, stream, src_ord, dst_ord)
@@ -409,14 +406,25 @@ class CudaIpcReader:
             drv.memcpy_async(d, s, n, stream)
         return "ce"
 
-    def _table(self, targets: Targets, src: np.ndarray, nbytes: np.ndarray, ordinal: int):
+    def _kernel(self, ordinal: int):
+        """The SM copy kernel on GPU ``ordinal``, or None (it could not be
+        built: said once; copies then go through the copy engine)."""
+        if self._no_kernel is not None:
+            return None
+        try:
+            return cuda_driver.copy_kernel(ordinal)
+        except (OSError, CudaDriverError) as e:
+            self._no_kernel = str(e)
+            logger.warning("[RDT] no SM copy kernel (%s): one copy-engine call per tensor", e)
+            return None
+
+    def _table(self, kernel, targets: Targets, src: np.ndarray, nbytes: np.ndarray):
         """The kernel's device table; the last one of these targets is reused
         when the sources are the same (a kept segment, the same offsets)."""
         cached = self._tables.get(id(targets.ptrs))
         if cached is not None and cached[0] is targets.ptrs and np.array_equal(cached[1], src):
             return cached[2]
-        host = cuda_driver.chunk_table(targets.ptrs, src, nbytes)
-        table = torch.from_numpy(host.view(np.int64)).to(torch.device("cuda", ordinal))
+        table = kernel.table(targets.ptrs, src, nbytes)
         if len(self._tables) >= 64:
             self._tables.clear()
         self._tables[id(targets.ptrs)] = (targets.ptrs, src, table)

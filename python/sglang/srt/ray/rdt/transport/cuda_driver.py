@@ -339,7 +339,7 @@ class CopyKernel:
         rows, nchunks = copy_rows(dst, src, nbytes)
         device = torch.device("cuda", self.ordinal)
         out = torch.empty(3 * nchunks, dtype=torch.int64, device=device)
-        if not len(rows) or not nchunks:
+        if not nchunks:
             return out
         rows_dev = torch.from_numpy(rows.view(np.int64)).to(device)
         n = len(rows) // 4

@@ -374,8 +374,10 @@ class CudaIpcReader:
         """Read kept segments mapped ahead of use once (into a scratch chunk):
         the first update's copy otherwise pays for the first touch of its
         source pages (the first copy ran 1.3-1.6x a later one)."""
+        kernel = self._kernel(ordinal)
+        if kernel is None:  # (said once by _kernel)
+            return
         try:
-            kernel = cuda_driver.copy_kernel(ordinal)
             device = torch.device("cuda", ordinal)
             scratch = torch.empty(cuda_driver.CHUNK_BYTES, dtype=torch.uint8, device=device)
             src = np.array([p for p, _ in mappings], np.int64)

@@ -143,7 +143,7 @@ class BenchTrainer:
                                     for k, v in s["rank_timing"].items()}} for s in steps],
                 "pull_seconds": sum(s["pull_seconds"] for s in steps),
                 **{k: d[k] for k in ("path", "transport", "lane_calls", "held_bytes", "begin_seconds",
-                                     "end_seconds", "bytes", "tensors")},
+                                     "end_seconds", "plan_seconds", "bytes", "tensors")},
                 "check": ray.get(rank.verify.remote(seed))}
 
     # -- ceilings in this process ------------------------------------------------- #

@@ -57,6 +57,7 @@ class UpdateStats:
     transport: str = "none"  # the path(s) the ranks' pulls took, comma-separated
     lane_calls: int = 0  # pulls sent over a rank's same-node lane, not through Ray
     held_bytes: int = 0
+    plan_seconds: float = 0.0  # a mapping: planned and checked whole before anything moved
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -88,6 +88,7 @@ class Update:
     wait_s: float = 0.0
     total: Optional[int] = None  # steps of a mapping (an iterator's: unknown)
     ends_with_pull: bool = False  # its one pull ends the update (see run)
+    plan_seconds: float = 0.0  # a mapping: split, cut, looked at and checked whole
 
     # -- plan ------------------------------------------------------------------ #
     def run(self, named) -> UpdateStats:
@@ -118,6 +119,7 @@ class Update:
             # (one round trip and one turn of the scheduler less).
             self.ends_with_pull = (self.total == 1 and len(c.ranks) == 1 and 0 in self.route.lanes
                                    and isinstance(c.session, CallerPausedSession))
+            self.plan_seconds = time.perf_counter() - t0
         try:
             self._transfer(steps)
             self._finish()
@@ -334,7 +336,7 @@ class Update:
             version=self.version, tensors=self.tensors, bytes=self.payload_bytes,
             bytes_moved=self.moved_bytes, ranks=len(self.client.ranks), buckets=self.steps_done,
             seconds=time.perf_counter() - t0, transfer_seconds=transfer,
-            begin_seconds=self.begin_seconds, end_seconds=self.end_seconds,
+            begin_seconds=self.begin_seconds, end_seconds=self.end_seconds, plan_seconds=self.plan_seconds,
             gbps=self.payload_bytes / transfer / 1e9 if transfer > 0 else 0.0,
             path="direct" if self.route.direct else "buckets",
             transport=",".join(self.paths) or "none", lane_calls=self.lane_calls,

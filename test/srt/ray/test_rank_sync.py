@@ -397,7 +397,7 @@ def test_status_reports_the_update_the_receiver_and_the_loop(rank, monkeypatch):
     rank.open_lane("trainer-x", os.getpid())
     st = rank.status()
     assert st.ipc_reach == {"node_id": "test-node", "gpus": []}
-    assert st.lane == {"open": True, "senders": 1, "calls": 0}
+    assert st.lane == {"open": True, "senders": 1, "calls": 0, "held_pulls": 0}
 
     rank.loop.stop()
     assert rank.status().event_loop == "stopped"

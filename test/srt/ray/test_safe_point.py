@@ -443,3 +443,66 @@ def test_a_scheduler_the_queue_does_not_know_never_waits():
     for _ in range(20):
         q.run_pending(sched)
     assert q.idle_waits == 0
+
+
+# --------------------------------------------------------------------------- #
+# A hold: the loop waits at its safe point for a task another thread runs
+# --------------------------------------------------------------------------- #
+def test_a_held_loop_waits_while_the_holder_runs_its_task_in_place_and_goes_on_after():
+    q = SafePointQueue()
+    sched = scheduler_with(q)
+    q.loop_started()
+    order = []
+    with loop_running(sched) as th:
+        h = q.hold(LONG_WAIT_S, lambda s: contextlib.nullcontext())
+        wait_until(lambda: q.holding is h, 30, 0.001, "the loop to wait for the holder")
+        assert h.state == "held"
+        later = Future()  # queued from a third thread while the holder runs
+        poster = threading.Thread(target=lambda: later.set_result(
+            q.call(sched, lambda s: order.append(("queued", threading.get_ident())), 30)))
+        with h.taken() as held:
+            assert held and h.state == "taken"
+            # a call from the holder's thread runs here, on it, with the loop's scheduler
+            assert q.call(None, lambda s: (s, threading.get_ident()), 5) == (sched, threading.get_ident())
+            poster.start()
+            order.append(("held", threading.get_ident()))
+        later.result(30)  # the loop went on: it ran the queued call after the block
+        poster.join(30)
+        assert h.state == "done" and q.holding is None
+        assert order == [("held", threading.get_ident()), ("queued", th.ident)]
+        assert q.call(sched, lambda s: threading.get_ident(), 5) == th.ident
+    q.loop_stopped()
+
+
+def test_a_hold_nobody_takes_ends_with_its_wait_or_at_once_when_released():
+    q = SafePointQueue()
+    sched = scheduler_with(q)
+    q.loop_started()
+    with loop_running(sched) as th:
+        h = q.hold(0.05)
+        wait_until(lambda: h.state == "missed", 30, 0.001, "the wait to run out")
+        with h.taken() as held:
+            assert held is False  # too late: the task goes the usual way
+        assert q.call(sched, lambda s: threading.get_ident(), 5) == th.ident
+
+        h = q.hold(LONG_WAIT_S)
+        wait_until(lambda: q.holding is h, 30, 0.001, "the loop to wait for the holder")
+        h.release()  # e.g. the update failed before its pull
+        assert q.call(sched, lambda s: threading.get_ident(), 30) == th.ident
+        assert h.state == "missed" and q.holding is None
+    q.loop_stopped()
+
+
+def test_a_hold_the_loop_refuses_does_not_wait_and_one_without_a_loop_is_none():
+    q = SafePointQueue()
+    assert q.hold(LONG_WAIT_S) is None  # no loop runs
+    sched = scheduler_with(q)
+    q.loop_started()
+    asked = []
+    with loop_running(sched) as th:
+        h = q.hold(LONG_WAIT_S, lambda s: asked.append(threading.get_ident()))  # -> None: do not wait
+        assert q.call(sched, lambda s: threading.get_ident(), 30) == th.ident
+        assert (h.state, asked, q.holding) == ("missed", [th.ident], None)
+        with h.taken() as held:
+            assert held is False
+    q.loop_stopped()

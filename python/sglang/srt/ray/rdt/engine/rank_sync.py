@@ -18,6 +18,7 @@ another), the same-node reader's lock.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -156,6 +157,21 @@ class RankWeightSync:
     def on_scheduler(self, fn, timeout_s: float = SAFE_POINT_TIMEOUT_S):
         """Run ``fn()`` on the scheduler thread at its next safe point."""
         return self.safe_point.call(None, lambda _scheduler: fn(), timeout_s)
+
+    def hold(self, wait_s: float):
+        """Have the scheduler wait at its next safe point, for at most
+        ``wait_s``, for a pull the caller's thread runs itself (a
+        ``scheduler_safe_point.Hold``; the lane's, for an update on its way)
+        — only while a pull would be accepted. The pull then runs on the
+        scheduler's CUDA stream, as it would on its thread."""
+        def ready(_scheduler):
+            if self.quiesced() is not None:
+                return None
+            if self.device is not None and self.device.type == "cuda":
+                return torch.cuda.stream(torch.cuda.current_stream(self.device))
+            return contextlib.nullcontext()
+
+        return self.safe_point.hold(wait_s, ready)
 
     def quiesced(self) -> Optional[str]:
         """None when a pull is safe now, else why not (on the scheduler thread)."""

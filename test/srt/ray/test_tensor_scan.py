@@ -75,6 +75,22 @@ def test_a_tensor_subclass_is_read_through_python_and_a_non_tensor_is_named():
         list(buckets.cut({"a": torch.ones(2), "b": np.ones(2)}, buckets.WHOLE))
 
 
+def test_a_long_list_is_read_whole_and_an_odd_item_anywhere_in_it_is_found():
+    # (the scan asks for memory up to 16 items ahead: odd items at every distance from the end)
+    tensors = [t for _ in range(6) for t in _mixed()]  # 42 tensors
+    native = tensor_scan.native().scan(tensors)
+    assert not isinstance(native, int)
+    assert _as_own(tensor_scan.scan(tensors)) == _own(tensors)
+    for at in (0, 1, 5, 10, 16, 25, 36, 41):
+        for odd in ([1.0], torch.arange(3.0).as_subclass(Tagged)):
+            items = list(tensors)
+            items[at] = odd
+            assert tensor_scan.native().scan(items) == at, (at, type(odd))
+        with pytest.raises(tensor_scan.NotATensor) as e:
+            tensor_scan.scan(tensors[:at] + [None] + tensors[at:])
+        assert e.value.index == at
+
+
 def test_a_part_of_a_scan_and_layout_equality():
     tensors = [torch.ones(2, 3), torch.ones(4), torch.ones(1, 1, 5), torch.ones(6, dtype=torch.int8)]
     s = tensor_scan.scan(tensors)

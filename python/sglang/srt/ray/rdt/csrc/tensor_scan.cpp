@@ -32,6 +32,41 @@ PyObject* set_types(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// How many items ahead the scan asks for the memory it will read: the list's
+// item (the Python object), then its TensorImpl, then its StorageImpl (each
+// found through the one before). A trainer's tensors are scattered over its
+// heap and were not touched since it made them: read one after the other, each
+// tensor waits for three cache misses in a row; asked for ahead, they overlap
+// (3072 such tensors: 570 -> 250 us on the 2-core CI box, a trainer's cold heap).
+constexpr Py_ssize_t kAheadObject = 16;
+constexpr Py_ssize_t kAheadImpl = 10;
+constexpr Py_ssize_t kAheadStorage = 5;
+
+inline bool plain(PyObject* obj) {
+  PyTypeObject* type = Py_TYPE(obj);
+  return type == plain_types[0] || type == plain_types[1];
+}
+
+// Ask for (never read) what item i's scan will read; nothing for items the scan
+// leaves to Python.
+inline void ask_ahead(PyObject** items, Py_ssize_t n, Py_ssize_t i) {
+  if (i + kAheadObject < n) {
+    __builtin_prefetch(items[i + kAheadObject]);
+  }
+  if (i + kAheadImpl < n && plain(items[i + kAheadImpl])) {
+    const char* impl = reinterpret_cast<const char*>(THPVariable_Unpack(items[i + kAheadImpl]).unsafeGetTensorImpl());
+    __builtin_prefetch(impl);
+    __builtin_prefetch(impl + 64);
+    __builtin_prefetch(impl + 128);
+  }
+  if (i + kAheadStorage < n && plain(items[i + kAheadStorage])) {
+    const c10::TensorImpl* impl = THPVariable_Unpack(items[i + kAheadStorage]).unsafeGetTensorImpl();
+    if (impl->has_storage()) {
+      __builtin_prefetch(impl->unsafe_storage().unsafeGetStorageImpl());
+    }
+  }
+}
+
 template <typename T>
 PyObject* as_bytes(const std::vector<T>& v) {
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(v.data()),
@@ -57,10 +92,11 @@ PyObject* scan(PyObject*, PyObject* list) {
   std::vector<uint8_t> contiguous(n);
   dims.reserve(static_cast<size_t>(n) * 2);
   try {
+    PyObject** items = PySequence_Fast_ITEMS(list);
     for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* obj = PyList_GET_ITEM(list, i);
-      PyTypeObject* type = Py_TYPE(obj);
-      if (type != plain_types[0] && type != plain_types[1]) {
+      ask_ahead(items, n, i);
+      PyObject* obj = items[i];
+      if (!plain(obj)) {
         return PyLong_FromSsize_t(i);
       }
       const at::Tensor& t = THPVariable_Unpack(obj);

@@ -70,8 +70,9 @@ class Scan:
 
     def same_layout(self, other: "Scan") -> bool:
         """Whether both lists hold tensors of the same shapes and dtypes, in order."""
-        return (np.array_equal(self.dtype, other.dtype) and np.array_equal(self.ndim, other.ndim)
-                and np.array_equal(self.dims, other.dims))
+        # (their bytes compared: every array is int64; about half the cost of np.array_equal)
+        return (self.dtype.tobytes() == other.dtype.tobytes() and self.ndim.tobytes() == other.ndim.tobytes()
+                and self.dims.tobytes() == other.dims.tobytes())
 
     def shapes(self) -> List[Tuple[int, ...]]:
         dims, out, at = self.dims.tolist(), [], 0

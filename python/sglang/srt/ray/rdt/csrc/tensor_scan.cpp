@@ -47,7 +47,8 @@ inline bool plain(PyObject* obj) {
   return type == plain_types[0] || type == plain_types[1];
 }
 
-// Ask for (never read) what item i's scan will read; nothing for items the scan
+// Ask for what the scan of the items ahead of item i will read (reading only
+// the pointers that lead there, asked for earlier); nothing for items the scan
 // leaves to Python.
 inline void ask_ahead(PyObject** items, Py_ssize_t n, Py_ssize_t i) {
   if (i + kAheadObject < n) {

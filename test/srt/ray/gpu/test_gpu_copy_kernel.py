@@ -62,3 +62,15 @@ def test_copy_tensors_copies_every_byte_of_odd_sizes_and_offsets_with_one_table(
     many_dst = [torch.zeros(4099, dtype=torch.uint8, device="cuda") for _ in range(3000)]
     cuda_driver.copy_tensors(many_dst, many_src)
     assert all(torch.equal(d, s) for d, s in zip(many_dst, many_src))
+
+
+def test_a_table_is_made_without_waiting_for_the_work_queued_before_it():
+    kernel = cuda_driver.copy_kernel(0)
+    stream = torch.cuda.current_stream(0)
+    dst, src = [1 << 40, 2 << 40], [3 << 40, 4 << 40]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # a kernel that keeps the stream busy for about a second
+    table = kernel.table(np.array(dst, np.int64), np.array(src, np.int64), np.array([CHUNK + 5, 9], np.int64))
+    assert not stream.query(), "table() waited for the stream to drain"
+    rows = [tuple(r) for r in table.view(-1, 3).cpu().numpy().astype(np.uint64).tolist()]
+    assert rows == chunks_of(dst, src, [CHUNK + 5, 9])

@@ -344,7 +344,7 @@ class CopyKernel:
             return out
         # From pinned memory without waiting: a pageable upload returns only
         # once the stream drained, which on a GPU shared with a busy trainer
-        # is a time slice of the other process (0.3-0.6 ms on an H100) for
+        # is a time slice of the other process (0.26-0.50 ms on an H100) for
         # every new table. (PyTorch keeps the pinned block until the copy ran.)
         rows_dev = torch.from_numpy(rows.view(np.int64)).pin_memory().to(device, non_blocking=True)
         n = len(rows) // 4

@@ -108,8 +108,12 @@ class BenchTrainer:
                               "why_not_direct": route.why_not_direct},
                     "slot_bytes": 2 * client.sender.slot_bytes}
         finally:
+            self._stable = []  # (dropped before close: the pool's memory goes back at close)
             client.close()
-            self._stable = []
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.synchronize(self.device)
 
     def _one_update(self, client, rank, mode: str, seed: int) -> Dict[str, Any]:
         self.pattern.fill(self.base, seed)

@@ -37,6 +37,7 @@ def client_row(name: str, res: Dict[str, Any], ceiling_s: float, bucket_bytes: i
         "slot_mib": res.get("slot_bytes", 0) / MiB,
         "bound_mib": 2 * bucket_bytes / MiB,
         "bytes_ok": all(u["check"]["ok"] for u in ups), "updates": len(ups),
+        "slowest": _slowest(ups, med),
         # where a steady update's time goes (medians, ms): the client describing
         # or copying its steps, the slowest rank's pulls (summed), ending the update
         "parts_ms": [statistics.median(u.get(k, 0.0) for u in ups[1:] or ups) * 1e3
@@ -44,6 +45,26 @@ def client_row(name: str, res: Dict[str, Any], ceiling_s: float, bucket_bytes: i
         "timeline_ms": {k: statistics.median(u["timeline"][k] for u in ups[1:] or ups) * 1e3
                         for k in TIMELINE + AFTER if all(k in (u.get("timeline") or {}) for u in ups)},
     }
+
+
+def _slowest(ups: List[Dict[str, Any]], med: float) -> Optional[str]:
+    """What the slowest steady update spent beyond the median's parts, and
+    the trainer's collections in it (None when it is within 1.25x)."""
+    steady = ups[1:] or ups
+    worst = max(steady, key=lambda u: u["seconds"])
+    if not med or worst["seconds"] <= 1.25 * med or not worst.get("timeline"):
+        return None
+    parts = []
+    for k in TIMELINE:
+        typical = statistics.median(u["timeline"].get(k, 0.0) for u in steady)
+        extra = worst["timeline"].get(k, 0.0) - typical
+        if extra >= 0.5e-3:
+            parts.append(f"{k} +{extra * 1e3:.1f} ms")
+    gc_ = worst.get("trainer_gc")
+    if gc_:
+        parts.append("trainer collections (gen 0/1/2) " + "/".join(map(str, gc_["collections"]))
+                     + f" in {gc_['seconds'] * 1e3:.1f} ms")
+    return f"{worst['seconds'] * 1e3:.1f} ms vs median {med * 1e3:.1f}: " + ", ".join(parts)
 
 
 # The parts of a steady update, in order (trainer.timeline).
@@ -147,6 +168,13 @@ def markdown(summary: Dict[str, Any], meta: Dict[str, Any]) -> str:
                 parts = " + ".join(f"{t[k]:.2f}" for k in AFTER) if all(k in t for k in AFTER) else ""
                 out.append(f"- {r['mode']}: " + " / ".join(f"{t[k]:.2f}" for k in TIMELINE)
                            + (f" ({parts})" if parts else ""))
+        slow = [r for r in s["client"] if r.get("slowest")]
+        if slow:
+            out.append("")
+            out.append("Slowest updates past 1.25x the median:")
+            out.append("")
+            for r in slow:
+                out.append(f"- {r['mode']}: {r['slowest']}")
         for k, v in s["errors"].items():
             out.append(f"ERROR {k}: {v}")
         out.append("")

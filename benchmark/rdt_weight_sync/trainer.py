@@ -125,13 +125,13 @@ class BenchTrainer:
         before = self._allocated()
         self._reset_peak()
         wall0 = time.time()
-        t0 = time.perf_counter()
-        stats = client.update(named, version=f"s{seed}")
-        seconds = time.perf_counter() - t0
+        with CollectorWatch() as collector:
+            t0 = time.perf_counter()
+            stats = client.update(named, version=f"s{seed}")
+            seconds = time.perf_counter() - t0
         peak = self._peak() - before
         del named
-        stable = sum(t.nbytes for t in self._stable) if mode == "stable" and self.device.type == "cuda" else 0
-        held = self._allocated() - baseline - stable
+        held = self._allocated() - baseline  # (stable tensors: made at register, in the baseline)
         d = stats.as_dict()
         steps = d.pop("buckets")
         pool = client.staging_pool()
@@ -146,6 +146,7 @@ class BenchTrainer:
                                  **{k: (v if k.endswith("_seconds") else v - t0)
                                     for k, v in s["rank_timing"].items()}} for s in steps],
                 "pull_seconds": sum(s["pull_seconds"] for s in steps),
+                "trainer_gc": collector.as_dict(),
                 **{k: d[k] for k in ("path", "transport", "lane_calls", "held_bytes", "begin_seconds",
                                      "end_seconds", "plan_seconds", "bytes", "tensors")},
                 "check": ray.get(rank.verify.remote(seed))}
@@ -235,6 +236,36 @@ class BenchTrainer:
             del fresh
             out.append({"seconds": seconds, "check": ray.get(rank.verify.remote(seed))})
         return {"updates": out}
+
+
+class CollectorWatch:
+    """Python's cyclic collections in this process while the block runs:
+    how many per generation and the seconds they took (a full collection in
+    a process holding Ray and torch takes milliseconds: it shows up as a
+    slow update)."""
+
+    def __init__(self):
+        self.counts = [0, 0, 0]
+        self.seconds = 0.0
+        self._start = None
+
+    def _callback(self, phase: str, info: Dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.counts[info["generation"]] += 1
+            self._start = None
+
+    def __enter__(self) -> "CollectorWatch":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"collections": list(self.counts), "seconds": self.seconds}
 
 
 def timeline(t0: float, t1: float, steps: List[Dict[str, Any]]) -> Dict[str, float]:

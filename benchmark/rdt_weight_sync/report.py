@@ -56,7 +56,7 @@ def _slowest(ups: List[Dict[str, Any]], med: float) -> Optional[str]:
         return None
     parts = []
     for k in TIMELINE:
-        typical = statistics.median(u["timeline"].get(k, 0.0) for u in steady)
+        typical = statistics.median((u.get("timeline") or {}).get(k, 0.0) for u in steady)
         extra = worst["timeline"].get(k, 0.0) - typical
         if extra >= 0.5e-3:
             parts.append(f"{k} +{extra * 1e3:.1f} ms")

@@ -27,6 +27,8 @@ def client_row(name: str, res: Dict[str, Any], ceiling_s: float, bucket_bytes: i
     steady = _steady(ups)
     med = statistics.median(steady)
     last = ups[-1]
+    timeline_ms = {k: statistics.median(u["timeline"][k] for u in ups[1:] or ups) * 1e3
+                   for k in TIMELINE + AFTER if all(k in (u.get("timeline") or {}) for u in ups)}
     return {
         "mode": name, "path": last.get("path"), "transport": last.get("transport"),
         "median_ms": med * 1e3, "ratio": ceiling_s / med if med else 0.0,
@@ -37,29 +39,27 @@ def client_row(name: str, res: Dict[str, Any], ceiling_s: float, bucket_bytes: i
         "slot_mib": res.get("slot_bytes", 0) / MiB,
         "bound_mib": 2 * bucket_bytes / MiB,
         "bytes_ok": all(u["check"]["ok"] for u in ups), "updates": len(ups),
-        "slowest": _slowest(ups, med),
+        "slowest": _slowest(ups, med, timeline_ms),
         # where a steady update's time goes (medians, ms): the client describing
         # or copying its steps, the slowest rank's pulls (summed), ending the update
         "parts_ms": [statistics.median(u.get(k, 0.0) for u in ups[1:] or ups) * 1e3
                      for k in ("fill_seconds", "pull_seconds", "end_seconds")],
-        "timeline_ms": {k: statistics.median(u["timeline"][k] for u in ups[1:] or ups) * 1e3
-                        for k in TIMELINE + AFTER if all(k in (u.get("timeline") or {}) for u in ups)},
+        "timeline_ms": timeline_ms,
     }
 
 
-def _slowest(ups: List[Dict[str, Any]], med: float) -> Optional[str]:
-    """What the slowest steady update spent beyond the median's parts, and
-    the trainer's collections in it (None when it is within 1.25x)."""
-    steady = ups[1:] or ups
-    worst = max(steady, key=lambda u: u["seconds"])
+def _slowest(ups: List[Dict[str, Any]], med: float, timeline_ms: Dict[str, float]) -> Optional[str]:
+    """What the slowest steady update spent beyond a steady one's parts
+    (``timeline_ms``: their medians), and the trainer's collections in it
+    (None when it is within 1.25x the median)."""
+    worst = max(ups[1:] or ups, key=lambda u: u["seconds"])
     if not med or worst["seconds"] <= 1.25 * med or not worst.get("timeline"):
         return None
     parts = []
     for k in TIMELINE:
-        typical = statistics.median((u.get("timeline") or {}).get(k, 0.0) for u in steady)
-        extra = worst["timeline"].get(k, 0.0) - typical
-        if extra >= 0.5e-3:
-            parts.append(f"{k} +{extra * 1e3:.1f} ms")
+        extra = worst["timeline"].get(k, 0.0) * 1e3 - timeline_ms.get(k, 0.0)
+        if extra >= 0.5:
+            parts.append(f"{k} +{extra:.1f} ms")
     gc_ = worst.get("trainer_gc")
     if gc_:
         parts.append("trainer collections (gen 0/1/2) " + "/".join(map(str, gc_["collections"]))

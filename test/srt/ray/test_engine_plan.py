@@ -5,6 +5,7 @@ No Ray cluster and no NIXL agent: pure functions and a toy model in this process
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
@@ -244,6 +245,68 @@ def test_forget_walks_again_and_plans_every_layout_anew():
     assert again is not first and walked and not reused and walks.count == 2
 
 
+def test_a_layout_planned_ahead_is_found_by_its_pull_without_a_walk():
+    """plan_ahead (a lane's thread) plans against the last walk only while it
+    is current, never walks itself, and leaves a layout that does not fit to
+    its pull to refuse."""
+    params = _params()
+    walks = Walks(params)
+    cache = PlanCache(walks)
+    names, specs = [["a.weight", "b.weight"]], [_specs(params, ["a.weight", "b.weight"])]
+    assert cache.plan_ahead(specs, names, key="L1") is False and walks.count == 0  # no walk yet
+    cache.param_names()  # a walk (the scheduler's)
+    assert cache.plan_ahead(specs, names, key="L1") is True and walks.count == 1
+    assert cache.plan_ahead(specs, names, key="L1") is False  # planned already
+    plan, walked, reused = cache.plan(specs, names, key="L1")
+    assert (walked, reused, walks.count) == (False, True, 1)
+    assert _ptrs(plan) == [[params["a.weight"].data_ptr(), params["b.weight"].data_ptr()]]
+    # A layout that does not fit is not planned ahead; its pull refuses it as before.
+    bad = [[TensorSpec((4, 4), torch.float32)]]
+    assert cache.plan_ahead(bad, [["a.weight"]], key="L2") is False
+    with pytest.raises(WeightSyncError, match="layout mismatch for 'a.weight'"):
+        cache.plan(bad, [["a.weight"]], key="L2")
+    # A walk that may be out of date (an update ended) is not planned against.
+    cache.mark_stale()
+    assert cache.plan_ahead([_specs(params, ["a.bias"])], [["a.bias"]], key="L3") is False
+    assert walks.count == 1
+    _, walked, reused = cache.plan([_specs(params, ["a.bias"])], [["a.bias"]], key="L3")
+    assert (walked, reused, walks.count) == (True, False, 2)
+    cache.forget()
+    assert cache.plan_ahead(specs, names, key="L4") is False and walks.count == 2
+
+
+def test_a_forget_during_a_plan_ahead_leaves_no_plan_of_the_old_walk():
+    """The lane's thread plans while the scheduler's thread drops the plans
+    (memory release, a failed pull): the drop waits for the plan in progress
+    and removes it; a plan_ahead that starts after the drop plans nothing."""
+    params = _params()
+    inside, go = threading.Event(), threading.Event()
+
+    class Gated(dict):  # the walk's mapping: the first lookup waits for ``go``
+        def get(self, name, default=None):
+            inside.set()
+            assert go.wait(30)
+            return super().get(name, default)
+
+    cache = PlanCache(lambda: Gated(params))
+    cache.param_names()  # the walk
+    names, specs = [["a.weight"]], [_specs(params, ["a.weight"])]
+    ahead = []
+    lane = threading.Thread(target=lambda: ahead.append(cache.plan_ahead(specs, names, key="L")))
+    lane.start()
+    assert inside.wait(30)  # planning, under the cache's lock
+    dropper = threading.Thread(target=cache.forget)
+    dropper.start()
+    dropper.join(0.2)
+    assert dropper.is_alive()  # the drop waits for the plan in progress
+    go.set()
+    lane.join(30)
+    dropper.join(30)
+    assert ahead == [True] and cache.params is None and not cache._plans
+    # With the walk dropped, planning ahead plans nothing until the scheduler walks again.
+    assert cache.plan_ahead(specs, names, key="L") is False and not cache._plans
+
+
 def test_the_plan_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(plan_mod, "MAX_CACHED_PLANS", 3)
     params = _params()
@@ -354,6 +417,29 @@ def test_registration_book_syncs_to_current_storages():
     assert book.sync([w2]) == {"added": 1, "dropped": 1}
     assert list(nixl.live) == [(w2.data_ptr(), w2.untyped_storage().nbytes())]
     assert book.release_all() == 1 and not nixl.live
+
+
+def test_registering_walks_once_and_the_first_pull_plans_against_that_walk(monkeypatch):
+    """register_weight_for_rdt walks the model to register it; the first pull
+    after it plans against that walk instead of walking again."""
+    monkeypatch.setattr(nixl_threads, "start_nixl_agent", lambda: 0)
+    nixl = FakeNixl()
+    model = torch.nn.Linear(4, 2)
+    walks = Walks(dict(model.named_parameters()))
+    recv = RdtWeightReceiver(walks, registrations=RegistrationBook(nixl.register, nixl.deregister))
+    try:
+        assert recv.register()["registrations"] == 2 and walks.count == 1
+        stats = recv.pull([MemorySource([torch.full((2, 4), 7.0)])], ["weight"])
+        assert walks.count == 1 and stats["plan_reused"] is False
+        assert torch.equal(model.weight, torch.full((2, 4), 7.0))
+        assert len(nixl.live) == 2 and len(nixl.log) == 2  # nothing registered again
+        # After the update's end the next pull walks again, as before.
+        recv.end_of_update()
+        recv.pull([MemorySource([torch.full((2,), 1.0)])], ["bias"])
+        assert walks.count == 2 and len(nixl.log) == 2
+    finally:
+        recv.close()
+        gc_pause.resume(GC_HOLDER)
 
 
 def test_receiver_drops_registrations_on_release_and_restores_on_resume(monkeypatch):

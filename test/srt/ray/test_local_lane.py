@@ -279,6 +279,48 @@ def test_the_next_pull_is_read_and_queued_while_one_waits_and_a_finalize_waits_f
         lanes.close()
 
 
+def test_a_new_layout_is_planned_by_the_lane_while_the_scheduler_is_busy(rank):
+    """A pull of a layout the rank has not seen is planned by the lane's
+    thread as it arrives, against the rank's last walk, while the scheduler
+    is still busy: the pull finds its plan made. One that does not fit is
+    refused by its pull as before, with every weight untouched."""
+    model = rank.model
+    rank.receiver.param_names()  # a walk of the model (as the first pull after a load makes)
+    items = list(new_weights(model, 31).items())
+    _, link = open_link(rank)
+    lanes = Lanes()
+    lanes.links[0] = link
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():  # the scheduler's thread, busy until released
+        holding.set()
+        release.wait(60)
+
+    held = threading.Thread(target=rank.on_scheduler, args=(hold,))
+    held.start()
+    try:
+        assert holding.wait(30)
+        g = group_of(dict(items[:2]), layout=1)
+        call = lanes.pull(0, g, same_node.export(g.tensors, with_specs=False), 10.0)
+        wait_until(lambda: rank.lane.status()["calls"] == 2, 30, 0.01, "the lane to read the pull")
+        assert rank.state.status()["pulls"] == 0  # not run yet: the scheduler is busy
+        release.set()
+        out = call.result(30)
+        assert (out["tensors"], out["plan_reused"]) == (2, True)
+        assert all(torch.equal(p, dict(items[:2])[n]) for n, p in model.named_parameters() if n in g.names)
+
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        bad = group_of({"0.weight": torch.zeros(4, 4)}, layout=2)  # the parameter is 16 x 16
+        with pytest.raises(WeightSyncError, match="layout mismatch for '0.weight'"):
+            lanes.pull(0, bad, same_node.export(bad.tensors, with_specs=False), 10.0).result(30)
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        assert link.send("finalize", {"weight_version": "ahead"}).result(30)["update"]["pulls"] == 1
+    finally:
+        release.set()
+        held.join(30)
+        lanes.close()
+
+
 def test_a_held_scheduler_has_the_next_pull_run_by_the_lanes_thread_and_anything_else_releases_it(rank):
     """A trainer's "hold" (sent before it describes an update's one pull)
     makes the scheduler wait at its safe point; the lane's own thread then

@@ -9,7 +9,9 @@ checks and records as ``pull_weights``; ``finalize`` and ``abort`` come the
 same way. A layout (names, shapes, dtypes) is sent once per connection with
 an id; later requests name the id and carry only where the bytes are (and
 a description of kept memory, the trainer's staging pool, likewise: sent
-once, then named).
+once, then named). A layout's first pull is planned by the serving thread as
+it arrives, against the rank's last walk of the model, while the scheduler
+may still be copying the pull before it.
 
 Threads: one serves the socket (reads every request, answers all but pulls);
 a pull is handed to one of :data:`PULL_WORKERS` threads that waits for the
@@ -331,6 +333,8 @@ class RankLane:
                                       "tensors, or a name that is not a string")
             self._defined += 1  # the plan's key: unique per definition
             conn.layouts[layout_id] = (names, specs, ("lane", self._defined))
+            if op == "pull":  # planned here, while the scheduler may still copy the pull before it
+                self._rank.plan_ahead([specs], [names], ("lane", self._defined))
         if layout_id not in conn.layouts:
             raise KeyError(f"layout {layout_id} was never defined on this connection")
         names, specs, key = conn.layouts[layout_id]

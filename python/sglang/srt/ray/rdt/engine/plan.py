@@ -9,6 +9,7 @@ weight. :class:`PlanCache` keeps the plans for the layouts that come again.
 
 from __future__ import annotations
 
+import threading
 from collections import abc
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -182,23 +183,38 @@ class PlanCache:
     weight load (:meth:`mark_stale`) the plans survive the new walk only if
     every target parameter is as planned; memory release/resume,
     (de)registration and a failed pull drop them (:meth:`forget`).
+
+    Its own lock guards it: pulls plan on the scheduler's thread (under the
+    receiver's lock, taken first), and a same-node lane plans a layout it is
+    sent ahead of its pull on its own thread (:meth:`plan_ahead`).
     """
 
     def __init__(self, get_params: Callable[[], Mapping[str, torch.Tensor]]):
         self._get_params = get_params
+        self._lock = threading.RLock()
         self.params: Optional[Mapping[str, torch.Tensor]] = None
         self._plans: Dict[Any, CachedPlan] = {}
         self._stale = False  # walk again, but the plans may survive
 
     def forget(self) -> None:
         """Walk the model again at the next pull and plan every layout anew."""
-        self.params = None
-        self._stale = False
-        self._plans.clear()
+        with self._lock:
+            self.params = None
+            self._stale = False
+            self._plans.clear()
+
+    def restart(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Plan every layout anew against ``params``, a walk of the model
+        made just now (the next pull does not walk again)."""
+        with self._lock:
+            self.params = params
+            self._stale = False
+            self._plans.clear()
 
     def mark_stale(self) -> None:
-        if self.params is not None:  # (no walk yet: the next pull walks anyway)
-            self._stale = True
+        with self._lock:
+            if self.params is not None:  # (no walk yet: the next pull walks anyway)
+                self._stale = True
 
     @property
     def stale(self) -> bool:
@@ -208,38 +224,59 @@ class PlanCache:
     def refresh(self) -> bool:
         """Walk the model again if it may have changed, keeping only the
         plans whose parameters are as they were planned. Returns whether it walked."""
-        if not self._stale:
-            return False
-        fresh = self._get_params()
-        old, self._stale = self.params, False
-        if old is None or fresh.keys() != old.keys() or any(fresh[n] is not old[n] for n in fresh):
-            self._plans.clear()
-        else:
-            self._plans = {k: p for k, p in self._plans.items() if p.still_live()}
-        self.params = fresh
-        return True
+        with self._lock:
+            if not self._stale:
+                return False
+            fresh = self._get_params()
+            old, self._stale = self.params, False
+            if old is None or fresh.keys() != old.keys() or any(fresh[n] is not old[n] for n in fresh):
+                self._plans.clear()
+            else:
+                self._plans = {k: p for k, p in self._plans.items() if p.still_live()}
+            self.params = fresh
+            return True
 
     def param_names(self) -> List[str]:
         """The parameter names of the last walk (walks once if none yet)."""
-        if self.params is None:
-            self.params = self._get_params()
-        return list(self.params)
+        with self._lock:
+            if self.params is None:
+                self.params = self._get_params()
+            return list(self.params)
 
     def plan(self, specs, names, key: Any = None) -> Tuple[CachedPlan, bool, bool]:
         """The plan of a pull, whether the model was walked for it, and whether
         a plan was reused. ``key``: the layout's identity when the caller has
         one (a lane's layout id), else the names, shapes and dtypes."""
-        walked = self.refresh()
-        if key is None:
-            key = (tuple(map(tuple, names)), tuple(map(tuple, specs)))
-        plan = self._plans.get(key)
-        if plan is not None:
-            return plan, walked, True
-        if self.params is None:
-            self.params, walked = self._get_params(), True
-        targets = plan_pull(specs, names, self.params)
+        with self._lock:
+            walked = self.refresh()
+            if key is None:
+                key = (tuple(map(tuple, names)), tuple(map(tuple, specs)))
+            plan = self._plans.get(key)
+            if plan is not None:
+                return plan, walked, True
+            if self.params is None:
+                self.params, walked = self._get_params(), True
+            return self._add(key, plan_pull(specs, names, self.params), names, specs), walked, False
+
+    def plan_ahead(self, specs, names, key: Any) -> bool:
+        """Plan a keyed layout now, before its pull, against the last walk of
+        the model while that walk is current (the walk itself stays on the
+        scheduler's thread). Returns whether it planned: not when there is no
+        current walk, the layout is planned already, or it does not fit (its
+        pull then says why, as it would have)."""
+        with self._lock:
+            if self.params is None or self._stale or key in self._plans:
+                return False
+            try:
+                targets = plan_pull(specs, names, self.params)
+            except WeightSyncError:
+                return False
+            self._add(key, targets, names, specs)
+            return True
+
+    def _add(self, key, targets, names, specs) -> CachedPlan:
         if len(self._plans) >= MAX_CACHED_PLANS:
             self._plans.clear()
         plan = self._plans[key] = CachedPlan(targets, [self.params[n] for ns in names for n in ns],
                                              [sp for ss in specs for sp in ss])
-        return plan, walked, False
+        return plan

@@ -257,6 +257,11 @@ class RankWeightSync:
         """Plan a lane pull and map its kept segments, writing nothing (no pause needed)."""
         return self.on_scheduler(lambda: self.receiver.prepare(sources, names, key))
 
+    def plan_ahead(self, specs, names, key) -> bool:
+        """Plan a lane pull's new layout on the lane's thread, before the pull
+        reaches the scheduler (against the scheduler's last walk of the model)."""
+        return self.receiver.plan_ahead(specs, names, key)
+
     def prepare_next_pull(self) -> None:
         """Run the walk of the model the next pull would start with (after an
         update or a load) at the scheduler's next safe point instead; called

@@ -125,11 +125,13 @@ class ParameterRegistration:
         """Register every parameter's storage (idempotent); what changed."""
         if self.book is None:
             self.book = RegistrationBook()
-        params = [p.data for p in self._get_params().values()]
+        walk = self._get_params()
+        params = [p.data for p in walk.values()]
         warn_if_expandable_segments(params)
         changes = self.book.sync(params)
-        self._layout = None
-        self._plans.forget()
+        # (this walk is the next pull's: it plans against it without walking again)
+        self._layout = [(p.data_ptr(), p.numel()) for p in params]
+        self._plans.restart(walk)
         self.wanted = True
         return changes
 

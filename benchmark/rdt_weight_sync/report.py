@@ -60,6 +60,9 @@ def _slowest(ups: List[Dict[str, Any]], med: float, timeline_ms: Dict[str, float
         extra = worst["timeline"].get(k, 0.0) * 1e3 - timeline_ms.get(k, 0.0)
         if extra >= 0.5:
             parts.append(f"{k} +{extra:.1f} ms")
+    if worst.get("generator_seconds") is not None:
+        steady = statistics.median(u["generator_seconds"] for u in ups[1:] or ups)
+        parts.append(f"the stream's generator {(worst['generator_seconds'] - steady) * 1e3:+.1f} ms")
     gc_ = worst.get("trainer_gc")
     if gc_:
         parts.append("trainer collections (gen 0/1/2) " + "/".join(map(str, gc_["collections"]))

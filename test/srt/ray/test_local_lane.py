@@ -71,6 +71,32 @@ def new_weights(model, seed: int):
     return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
 
 
+class BusyScheduler:
+    """The rank's scheduler thread kept busy by a task that waits until
+    :meth:`release` (or the end of the ``with`` block)."""
+
+    def __init__(self, rank):
+        self._holding, self._release = threading.Event(), threading.Event()
+
+        def hold():
+            self._holding.set()
+            self._release.wait(60)
+
+        self._thread = threading.Thread(target=rank.on_scheduler, args=(hold,))
+
+    def __enter__(self):
+        self._thread.start()
+        assert self._holding.wait(30)
+        return self
+
+    def release(self) -> None:
+        self._release.set()
+
+    def __exit__(self, *exc):
+        self._release.set()
+        self._thread.join(30)
+
+
 # --------------------------------------------------------------------------- #
 # Who may call
 # --------------------------------------------------------------------------- #
@@ -250,32 +276,22 @@ def test_the_next_pull_is_read_and_queued_while_one_waits_and_a_finalize_waits_f
     _, link = open_link(rank)
     lanes = Lanes()
     lanes.links[0] = link
-    holding, release = threading.Event(), threading.Event()
-
-    def hold():  # the scheduler's thread, busy until released
-        holding.set()
-        release.wait(60)
-
-    held = threading.Thread(target=rank.on_scheduler, args=(hold,))
-    held.start()
     try:
-        assert holding.wait(30)
-        calls = []
-        for layout, half in enumerate(halves, 1):
-            g = group_of(half, layout=layout)
-            calls.append(lanes.pull(0, g, same_node.export(g.tensors, with_specs=False), 10.0))
-        done = link.send("finalize", {"weight_version": "both"})
-        # hello, both pulls and the finalize read; nothing has run yet
-        wait_until(lambda: rank.lane.status()["calls"] == 4, 30, 0.01, "the lane to read every request")
-        assert rank.state.status()["pulls"] == 0 and not rank.state.status()["update_open"]
-        release.set()
-        assert [c.result(30)["tensors"] for c in calls] == [2, 2]
-        out = done.result(30)
-        assert (out["weight_version"], out["update"]["pulls"], out["update"]["consistent"]) == ("both", 2, True)
-        assert all(torch.equal(p, dict(items)[n]) for n, p in model.named_parameters())
+        with BusyScheduler(rank) as busy:
+            calls = []
+            for layout, half in enumerate(halves, 1):
+                g = group_of(half, layout=layout)
+                calls.append(lanes.pull(0, g, same_node.export(g.tensors, with_specs=False), 10.0))
+            done = link.send("finalize", {"weight_version": "both"})
+            # hello, both pulls and the finalize read; nothing has run yet
+            wait_until(lambda: rank.lane.status()["calls"] == 4, 30, 0.01, "the lane to read every request")
+            assert rank.state.status()["pulls"] == 0 and not rank.state.status()["update_open"]
+            busy.release()
+            assert [c.result(30)["tensors"] for c in calls] == [2, 2]
+            out = done.result(30)
+            assert (out["weight_version"], out["update"]["pulls"], out["update"]["consistent"]) == ("both", 2, True)
+            assert all(torch.equal(p, dict(items)[n]) for n, p in model.named_parameters())
     finally:
-        release.set()
-        held.join(30)
         lanes.close()
 
 
@@ -290,24 +306,17 @@ def test_a_new_layout_is_planned_by_the_lane_while_the_scheduler_is_busy(rank):
     _, link = open_link(rank)
     lanes = Lanes()
     lanes.links[0] = link
-    holding, release = threading.Event(), threading.Event()
-
-    def hold():  # the scheduler's thread, busy until released
-        holding.set()
-        release.wait(60)
-
-    held = threading.Thread(target=rank.on_scheduler, args=(hold,))
-    held.start()
     try:
-        assert holding.wait(30)
-        g = group_of(dict(items[:2]), layout=1)
-        call = lanes.pull(0, g, same_node.export(g.tensors, with_specs=False), 10.0)
-        wait_until(lambda: rank.lane.status()["calls"] == 2, 30, 0.01, "the lane to read the pull")
-        assert rank.state.status()["pulls"] == 0  # not run yet: the scheduler is busy
-        release.set()
-        out = call.result(30)
-        assert (out["tensors"], out["plan_reused"]) == (2, True)
-        assert all(torch.equal(p, dict(items[:2])[n]) for n, p in model.named_parameters() if n in g.names)
+        with BusyScheduler(rank) as busy:
+            g = group_of(dict(items[:2]), layout=1)
+            call = lanes.pull(0, g, same_node.export(g.tensors, with_specs=False), 10.0)
+            wait_until(lambda: rank.lane.status()["calls"] == 2, 30, 0.01, "the lane to read the pull")
+            assert rank.state.status()["pulls"] == 0  # not run yet: the scheduler is busy
+            busy.release()
+            out = call.result(30)
+            assert (out["tensors"], out["plan_reused"]) == (2, True)
+            assert all(torch.equal(p, dict(items[:2])[n]) for n, p in model.named_parameters()
+                       if n in g.names)
 
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         bad = group_of({"0.weight": torch.zeros(4, 4)}, layout=2)  # the parameter is 16 x 16
@@ -316,8 +325,6 @@ def test_a_new_layout_is_planned_by_the_lane_while_the_scheduler_is_busy(rank):
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
         assert link.send("finalize", {"weight_version": "ahead"}).result(30)["update"]["pulls"] == 1
     finally:
-        release.set()
-        held.join(30)
         lanes.close()
 
 

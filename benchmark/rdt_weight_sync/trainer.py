@@ -53,10 +53,9 @@ class BenchTrainer:
         self.pattern = Pattern(self.base)
         self.nbytes = sum(t.nbytes for t in self.base)
         self._stable: List[torch.Tensor] = []
+        self._made_s = None  # the last stream's seconds making tensors (_stream)
 
     # -- memory -------------------------------------------------------------- #
-    _made_s = None
-
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -19,6 +19,7 @@ slowest over the median. usage (a CUDA machine):
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -49,10 +50,7 @@ def _updates(base, pool):
             if len(alive) >= IN_FLIGHT:
                 alive.pop(0)
             g0 = time.perf_counter()
-            if pool is not None:
-                with torch.cuda.use_mem_pool(pool):
-                    step = [base[(k + i) % len(base)].clone() for i in range(PER_STEP)]
-            else:
+            with torch.cuda.use_mem_pool(pool) if pool is not None else contextlib.nullcontext():
                 step = [base[(k + i) % len(base)].clone() for i in range(PER_STEP)]
             made += time.perf_counter() - g0
             torch.cuda.synchronize()

@@ -18,41 +18,43 @@ from typing import Any, Dict, List, Optional
 GiB, MiB = 2**30, 2**20
 
 
-def _steady(updates: List[Dict[str, Any]]) -> List[float]:
-    return [u["seconds"] for u in updates[1:]] or [u["seconds"] for u in updates]
+def _steady(updates: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The updates after the first (cold) one; all of them when there is one."""
+    return updates[1:] or updates
 
 
 def client_row(name: str, res: Dict[str, Any], ceiling_s: float, bucket_bytes: int) -> Dict[str, Any]:
     ups = res["updates"]
-    steady = _steady(ups)
+    steady_ups = _steady(ups)
+    steady = [u["seconds"] for u in steady_ups]
     med = statistics.median(steady)
     last = ups[-1]
-    timeline_ms = {k: statistics.median(u["timeline"][k] for u in ups[1:] or ups) * 1e3
+    timeline_ms = {k: statistics.median(u["timeline"][k] for u in steady_ups) * 1e3
                    for k in TIMELINE + AFTER if all(k in (u.get("timeline") or {}) for u in ups)}
     return {
         "mode": name, "path": last.get("path"), "transport": last.get("transport"),
         "median_ms": med * 1e3, "ratio": ceiling_s / med if med else 0.0,
         "first_over_median": ups[0]["seconds"] / med if med else 0.0,
         "worst_over_median": max(steady) / med if med else 0.0,  # slowest update's time / median
-        "peak_extra_mib": max(u["peak_extra_bytes"] for u in ups[1:] or ups) / MiB,
+        "peak_extra_mib": max(u["peak_extra_bytes"] for u in steady_ups) / MiB,
         "held_after_mib": max(u["held_after_bytes"] for u in ups) / MiB,
         "slot_mib": res.get("slot_bytes", 0) / MiB,
         "bound_mib": 2 * bucket_bytes / MiB,
         "bytes_ok": all(u["check"]["ok"] for u in ups), "updates": len(ups),
-        "slowest": _slowest(ups, med, timeline_ms),
+        "slowest": _slowest(steady_ups, med, timeline_ms),
         # where a steady update's time goes (medians, ms): the client describing
         # or copying its steps, the slowest rank's pulls (summed), ending the update
-        "parts_ms": [statistics.median(u.get(k, 0.0) for u in ups[1:] or ups) * 1e3
+        "parts_ms": [statistics.median(u.get(k, 0.0) for u in steady_ups) * 1e3
                      for k in ("fill_seconds", "pull_seconds", "end_seconds")],
         "timeline_ms": timeline_ms,
     }
 
 
-def _slowest(ups: List[Dict[str, Any]], med: float, timeline_ms: Dict[str, float]) -> Optional[str]:
+def _slowest(steady_ups: List[Dict[str, Any]], med: float, timeline_ms: Dict[str, float]) -> Optional[str]:
     """What the slowest steady update spent beyond a steady one's parts
     (``timeline_ms``: their medians), and the trainer's collections in it
     (None when it is within 1.25x the median)."""
-    worst = max(ups[1:] or ups, key=lambda u: u["seconds"])
+    worst = max(steady_ups, key=lambda u: u["seconds"])
     if not med or worst["seconds"] <= 1.25 * med or not worst.get("timeline"):
         return None
     parts = []
@@ -61,7 +63,7 @@ def _slowest(ups: List[Dict[str, Any]], med: float, timeline_ms: Dict[str, float
         if extra >= 0.5:
             parts.append(f"{k} +{extra:.1f} ms")
     if worst.get("generator_seconds") is not None:
-        steady = statistics.median(u["generator_seconds"] for u in ups[1:] or ups)
+        steady = statistics.median(u["generator_seconds"] for u in steady_ups)
         parts.append(f"the stream's generator {(worst['generator_seconds'] - steady) * 1e3:+.1f} ms")
     gc_ = worst.get("trainer_gc")
     if gc_:
@@ -78,7 +80,7 @@ AFTER = ("end_on_rank", "answer", "fence_wait", "client_end")
 
 
 def simple_row(name: str, res: Dict[str, Any], ceiling_s: float) -> Dict[str, Any]:
-    med = statistics.median(_steady(res["updates"]))
+    med = statistics.median(u["seconds"] for u in _steady(res["updates"]))
     return {"mode": name, "median_ms": med * 1e3, "ratio": ceiling_s / med if med else 0.0,
             "bytes_ok": all(u["check"]["ok"] for u in res["updates"])}
 

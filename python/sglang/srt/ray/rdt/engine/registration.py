@@ -12,7 +12,7 @@ before a pull silently crawls over TCP.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -130,7 +130,7 @@ class ParameterRegistration:
         warn_if_expandable_segments(params)
         changes = self.book.sync(params)
         # (this walk is the next pull's: it plans against it without walking again)
-        self._layout = [(p.data_ptr(), p.numel()) for p in params]
+        self._layout = _storage_layout(params)
         self._plans.restart(walk)
         self.wanted = True
         return changes
@@ -169,7 +169,12 @@ class ParameterRegistration:
         if not self.wanted or self.book is None:
             return
         params = self._plans.params if self._plans.params is not None else self._get_params()
-        layout = [(p.data_ptr(), p.numel()) for p in params.values()]
+        layout = _storage_layout(params.values())
         if layout != self._layout:
             self.book.sync([p.data for p in params.values()])
             self._layout = layout
+
+
+def _storage_layout(tensors) -> List[Tuple[int, int]]:
+    """Each tensor's (data_ptr, numel): what the registrations were last synced to."""
+    return [(t.data_ptr(), t.numel()) for t in tensors]

@@ -65,6 +65,12 @@ def _slowest(steady_ups: List[Dict[str, Any]], med: float, timeline_ms: Dict[str
     if worst.get("generator_seconds") is not None:
         steady = statistics.median(u["generator_seconds"] for u in steady_ups)
         parts.append(f"the stream's generator {(worst['generator_seconds'] - steady) * 1e3:+.1f} ms")
+    th = worst.get("trainer_thread")
+    if th is not None:
+        cpu = statistics.median(u["trainer_thread"]["cpu_seconds"] for u in steady_ups)
+        pre = statistics.median(u["trainer_thread"]["preempted"] for u in steady_ups)
+        parts.append(f"the trainer's thread on CPU {th['cpu_seconds'] * 1e3:.1f} ms (median {cpu * 1e3:.1f}), "
+                     f"preempted {th['preempted']} times (median {pre:g})")
     gc_ = worst.get("trainer_gc")
     if gc_:
         parts.append("trainer collections (gen 0/1/2) " + "/".join(map(str, gc_["collections"]))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import time
 from typing import Any, Dict, List
 
@@ -137,9 +138,11 @@ class BenchTrainer:
         self._reset_peak()
         wall0 = time.time()
         with CollectorWatch() as collector:
+            cpu0, ru0 = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD)
             t0 = time.perf_counter()
             stats = client.update(named, version=f"s{seed}")
             seconds = time.perf_counter() - t0
+            cpu1, ru1 = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD)
         peak = self._peak() - before
         del named
         held = self._allocated() - baseline  # (stable tensors: made at register, in the baseline)
@@ -158,6 +161,11 @@ class BenchTrainer:
                                     for k, v in s["rank_timing"].items()}} for s in steps],
                 "pull_seconds": sum(s["pull_seconds"] for s in steps),
                 "trainer_gc": collector.as_dict(),
+                # the calling thread during update(): its CPU time and how often it gave
+                # the CPU up waiting or had it taken away (a slow update on a busy or a
+                # slowed host: CPU time that grew, or switches taken away)
+                "trainer_thread": {"cpu_seconds": cpu1 - cpu0, "waits": ru1.ru_nvcsw - ru0.ru_nvcsw,
+                                   "preempted": ru1.ru_nivcsw - ru0.ru_nivcsw},
                 # a stream: what its generator spent making tensors (the trainer's own work)
                 "generator_seconds": self._made_s,
                 **{k: d[k] for k in ("path", "transport", "lane_calls", "held_bytes", "begin_seconds",

@@ -69,6 +69,11 @@ def test_bench_pull_cpu_mode_checks_bytes_and_prints_every_mode_with_its_ratio(r
         for u in run["updates"]:
             assert (u["path"], u["transport"], u["tensors"]) == ("buckets", "cma", 34), u
             assert u["lane_calls"] == u["steps"] >= 1, u  # one lane call per step (one rank)
+            # the calling thread over update(): CPU time within its wall time, switches counted
+            th = u["trainer_thread"]
+            assert 0 < th["cpu_seconds"] <= u["seconds"] + 1e-3, (th, u["seconds"])
+            assert isinstance(th["waits"], int) and isinstance(th["preempted"], int), th
+            assert th["waits"] >= 0 and th["preempted"] >= 0, th
         assert run["route"] == {"direct": False, "lanes": 1,
                                 "why_not_direct": "host-memory tensors are read in place only with export='direct'"}
     # Each printed ratio is the mode's ceiling over its steady update's time

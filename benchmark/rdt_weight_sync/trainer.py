@@ -162,8 +162,8 @@ class BenchTrainer:
                 "pull_seconds": sum(s["pull_seconds"] for s in steps),
                 "trainer_gc": collector.as_dict(),
                 # the calling thread during update(): its CPU time and how often it gave
-                # the CPU up waiting or had it taken away (a slow update on a busy or a
-                # slowed host: CPU time that grew, or switches taken away)
+                # the CPU up waiting or had it taken away (a slow update on a slowed host
+                # shows CPU time that grew; on a busy one, the CPU taken away)
                 "trainer_thread": {"cpu_seconds": cpu1 - cpu0, "waits": ru1.ru_nvcsw - ru0.ru_nvcsw,
                                    "preempted": ru1.ru_nivcsw - ru0.ru_nivcsw},
                 # a stream: what its generator spent making tensors (the trainer's own work)

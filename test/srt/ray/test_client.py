@@ -396,6 +396,7 @@ def test_direct_reads_the_callers_tensors_in_place_and_holds_nothing_after(calm)
             "direct", "cma", len(fresh), model_bytes)
         assert stats.lane_calls == 2 * len(stats.buckets)
         assert 0 < stats.held_bytes <= model_bytes
+        assert stats.outside_pool_bytes == 0  # host memory: no staging pool to be outside of
     for log in logs(toy):
         assert log["version"] == "direct-3"
     st = toy.ray.get(toy.ranks[0].get_weight_sync_status.remote())

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang.srt.ray.rdt.transport import cma, cuda_driver, cuda_ipc
+from sglang.srt.ray.rdt.transport import cma, cuda_driver, cuda_ipc, same_node
 from sglang.srt.ray.rdt.transport.cma import (
     CmaError,
     CmaPath,
@@ -36,7 +36,8 @@ from sglang.srt.ray.rdt.transport.cma import (
 )
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, copy_rows
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader
-from sglang.srt.ray.rdt.transport.metadata import CmaPart, IpcPart, MappingFailed, Targets, addresses
+from sglang.srt.ray.rdt.transport.metadata import (
+    CmaPart, IpcPart, MappingFailed, SglangIpcTransportMetadata, Targets, addresses)
 
 MiB = 1 << 20
 
@@ -449,6 +450,24 @@ def test_tensors_wholly_in_kept_memory_at_known_addresses_are_described_without_
     drv.calls.clear()
     fresh = _export(exporter, [_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
     assert fresh is not first and drv.calls["ipc_handle"] == 1 and not fresh.segments[0][3]
+
+
+def test_the_bytes_outside_kept_memory_are_those_of_tensors_in_segments_not_kept(fake_cuda):
+    """What a trainer's update reports as read from outside its staging pool
+    (``UpdateStats.outside_pool_bytes``): per tensor, by its segment."""
+    drv = fake_cuda
+    pool, loose = drv.alloc(8192), drv.alloc(4096)
+    exporter = CudaIpcExporter("sender", {1: lambda base: base == pool.data_ptr()}.get)
+
+    def unkept(tensors):
+        meta = SglangIpcTransportMetadata(tensor_meta=[], tensor_device="cuda",
+                                          ipc=_export(exporter, tensors, 1, "node-a"))
+        return same_node.unkept_bytes(meta)
+
+    assert unkept([_view(pool, 0, 64), _view(pool, 4096, 32)]) == 0
+    assert unkept([_view(loose, 1024, 28), _view(pool, 0, 64), _view(loose, 0, 100)]) == 128
+    assert unkept([_view(loose, 0, 4096)]) == 4096
+    assert same_node.unkept_bytes(SglangIpcTransportMetadata(tensor_meta=[], tensor_device="cpu")) == 0
 
 
 def test_exporter_gives_up_on_segments_that_keep_changing(fake_cuda, monkeypatch):

@@ -13,6 +13,7 @@ without asking Ray for one.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 from typing import Any, Dict, List
@@ -63,6 +64,17 @@ class _Named(torch.nn.Module):
         return iter(zip(self._names, self.params.values()))
 
 
+class _Collected(logging.Handler):
+    """The messages of the records it is handed."""
+
+    def __init__(self, level: int):
+        super().__init__(level)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 GpuRank = ray.remote(num_cpus=0, max_concurrency=8, enable_tensor_transport=True)(GpuRankBase)
 
 
@@ -75,6 +87,8 @@ class GpuTrainer:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         self.client = None
+        self._warnings = _Collected(logging.WARNING)
+        logging.getLogger("sglang.srt.ray.rdt.trainer.client").addHandler(self._warnings)
 
     def pid(self) -> int:
         return os.getpid()
@@ -89,16 +103,19 @@ class GpuTrainer:
                 "why_not_direct": route.why_not_direct}
 
     def update(self, n: int, numel: int, seed: int, version: str, die_after_steps: int = 0,
-               stream: bool = False) -> Dict[str, Any]:
+               stream: bool = False, outside_pool: bool = False) -> Dict[str, Any]:
         """One update of fresh tensors (made now, in the client's staging
         pool, as a trainer's gather step makes them; ``stream``: a generator
-        that makes each as the update consumes it). ``die_after_steps``: this
+        that makes each as the update consumes it; ``outside_pool``: made
+        before the call, outside the pool). ``die_after_steps``: this
         process SIGKILLs itself once that many steps landed, while the next
         steps' pulls are in flight on the rank. Returns the client's figures,
         or the error it raised (type, cause's type, message)."""
         made = ((name, pattern(numel, seed, i, self.device)) for i, name in enumerate(weight_names(n)))
         if stream:
             named = made
+        elif outside_pool:
+            named = dict(made)
         else:
             with self.client.staging():
                 named = dict(made)
@@ -113,8 +130,12 @@ class GpuTrainer:
             return {"error": type(e).__name__, "cause": type(getattr(e, "cause", None)).__name__,
                     "message": str(e)}
         d = stats.as_dict()
-        return {k: d[k] for k in ("path", "transport", "lane_calls", "tensors", "bytes", "held_bytes")} | {
-            "steps": len(d["buckets"])}
+        keys = ("path", "transport", "lane_calls", "tensors", "bytes", "held_bytes", "outside_pool_bytes")
+        return {k: d[k] for k in keys} | {"steps": len(d["buckets"])}
+
+    def client_warnings(self) -> List[str]:
+        """The client's warnings logged in this process so far."""
+        return list(self._warnings.messages)
 
     def update_then_overwrite(self, n: int, numel: int, seed: int, version: str) -> Dict[str, Any]:
         """One update of fresh tensors, then every one of them overwritten

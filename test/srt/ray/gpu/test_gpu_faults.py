@@ -1,5 +1,6 @@
 """Weight sync on one GPU, trainer and rank in two processes: CUDA IPC reads
-through the rank's call lane, fresh tensors every update, an update's copy
+through the rank's call lane, fresh tensors every update (in the staging pool
+and outside it), an update's copy
 done before the trainer reuses its memory, and a trainer that dies while a
 pull of its tensors is in flight.
 
@@ -74,6 +75,7 @@ def test_fresh_tensors_every_update_land_byte_for_byte_over_cuda_ipc(gpu_ray):
             assert "error" not in out, out
             assert (out["path"], out["transport"], out["tensors"]) == ("direct", "cuda_ipc", N), out
             assert out["lane_calls"] == out["steps"] == 1, out  # one rank, one group (a mapping)
+            assert out["outside_pool_bytes"] == 0, out
             assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(seed)
         assert ray.get(rank.pointers.remote(), timeout=60) == ptrs  # written in place
         st = status(rank)
@@ -83,6 +85,34 @@ def test_fresh_tensors_every_update_land_byte_for_byte_over_cuda_ipc(gpu_ray):
         assert st["kept_mappings"]["kept_mappings"] >= 1 and st["lane"]["open"] is True
         ray.get(trainer.close.remote(), timeout=120)
         assert status(rank)["kept_mappings"]["kept_mappings"] == 0  # let go on the client's close
+    finally:
+        ray.kill(trainer)
+        ray.kill(rank)
+
+
+def test_tensors_made_outside_the_staging_pool_land_are_counted_and_named_once(gpu_ray):
+    """Fresh tensors a trainer makes outside ``client.staging()``: the rank
+    maps their memory for each update and closes it after; the bytes land,
+    ``outside_pool_bytes`` counts them, and one warning names the fix."""
+    rank = GpuRank.options(**actor_options()).remote(N, NUMEL)
+    trainer = GpuTrainer.options(**actor_options()).remote()
+    try:
+        assert ray.get(trainer.connect.remote(rank), timeout=300)["direct"] is True
+        for seed in (21, 22):
+            out = ray.get(trainer.update.remote(N, NUMEL, seed, f"v{seed}", outside_pool=True), timeout=300)
+            assert "error" not in out, out
+            assert (out["path"], out["transport"]) == ("direct", "cuda_ipc"), out
+            assert out["outside_pool_bytes"] == out["bytes"] == N * NUMEL * 4, out
+            assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(seed)
+        out = ray.get(trainer.update.remote(N, NUMEL, 23, "v23"), timeout=300)  # in the pool
+        assert out["outside_pool_bytes"] == 0, out
+        assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(23)
+        told = [w for w in ray.get(trainer.client_warnings.remote(), timeout=60) if "staging pool" in w]
+        assert told == [f"[RDT] 32.0 MiB of this update's tensors were read from outside the staging pool: "
+                        "the ranks map that memory anew in every update and close it after (several times "
+                        "slower); make them inside `with client.staging():` or in a generator passed to "
+                        "update()"], told
+        assert status(rank)["weight_version"] == "v23"
     finally:
         ray.kill(trainer)
         ray.kill(rank)

@@ -148,6 +148,7 @@ class WeightSyncClient:
         self.update_tags = itertools.count(1)  # names the slot tokens of each update
         self._staging = staging
         self._pool = None
+        self._told_outside_pool = False  # the warning about tensors outside the pool: once
         self._layouts: Optional[List[Dict[str, Dict[str, Any]]]] = None
         self._statuses: Optional[List[Dict[str, Any]]] = None
         self._route: Optional[Route] = None
@@ -363,6 +364,14 @@ class WeightSyncClient:
                            int(bucket_bytes or self.bucket_bytes), strict, flush_cache,
                            progress).run(named_tensors)
             logger.info("[RDT] update: %s", stats.summary())
+            if stats.outside_pool_bytes and not self._told_outside_pool:
+                self._told_outside_pool = True
+                logger.warning("[RDT] %s of this update's tensors were read from outside the staging "
+                               "pool: the ranks map that memory anew in every update and close it after "
+                               "(several times slower); %s", buckets.describe_bytes(stats.outside_pool_bytes),
+                               "make them inside `with client.staging():` or in a generator passed to update()"
+                               if self._staging else
+                               "this client was made with staging=False")
             return stats
         finally:
             self._busy.release()

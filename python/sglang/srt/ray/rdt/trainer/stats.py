@@ -40,6 +40,9 @@ class UpdateStats:
     the trainer's own tensors) or ``"buckets"`` (copies in the client's
     slots); ``held_bytes``: the most bytes of the trainer's tensors the client
     held at once (``direct``: the groups in flight; a stream's stay within two buckets).
+    ``outside_pool_bytes``: of the tensors read in place on a GPU, the bytes
+    outside the client's staging pool (the ranks map their memory anew for
+    every update and close it after: make them inside ``client.staging()``).
     """
 
     version: Optional[str]
@@ -57,6 +60,7 @@ class UpdateStats:
     transport: str = "none"  # the path(s) the ranks' pulls took, comma-separated
     lane_calls: int = 0  # pulls sent over a rank's same-node lane, not through Ray
     held_bytes: int = 0
+    outside_pool_bytes: int = 0
     plan_seconds: float = 0.0  # a mapping: planned and checked whole before anything moved
 
     def as_dict(self) -> Dict[str, Any]:
@@ -69,4 +73,6 @@ class UpdateStats:
             f"{'s' if len(self.buckets) != 1 else ''} ({self.path}): transfer "
             f"{self.transfer_seconds:.3f} s ({self.gbps:.3f} GB/s), update {self.seconds:.3f} s, "
             f"transport={self.transport}, weight_version={self.version}"
+            + (f", outside the staging pool {describe_bytes(self.outside_pool_bytes)}"
+               if self.outside_pool_bytes else "")
         )

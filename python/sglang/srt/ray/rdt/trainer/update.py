@@ -74,6 +74,7 @@ class Update:
     lane_calls: int = 0
     held: int = 0
     max_held: int = 0
+    outside_pool: int = 0  # direct, GPU: bytes read in place from outside the staging pool
     tensors: int = 0
     payload_bytes: int = 0
     moved_bytes: int = 0
@@ -221,6 +222,7 @@ class Update:
         sources = [(None, same_node.export(g.tensors, with_specs=False, scan=g.scan,
                                            check=lambda g=g: _on_device(g, device)))
                    for _, g in step]
+        self.outside_pool += sum(same_node.unkept_bytes(meta) for _, meta in sources)
         held = sum(g.nbytes for _, g in step)
         self.held += held
         self.max_held = max(self.max_held, self.held)
@@ -345,7 +347,7 @@ class Update:
             gbps=self.payload_bytes / transfer / 1e9 if transfer > 0 else 0.0,
             path="direct" if self.route.direct else "buckets",
             transport=",".join(self.paths) or "none", lane_calls=self.lane_calls,
-            held_bytes=self.max_held,
+            held_bytes=self.max_held, outside_pool_bytes=self.outside_pool,
         )
 
 

@@ -15,6 +15,7 @@ import threading
 import uuid
 from typing import Any, Callable, Dict, Optional
 
+import numpy as np
 import torch
 
 from sglang.srt.ray.rdt.transport import tensor_scan
@@ -22,7 +23,8 @@ from sglang.srt.ray.rdt.transport.cma import CmaPath, export_cma
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader
 from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransportMetadata, Targets
 
-__all__ = ["Targets", "export", "read", "fence", "settle", "unusable", "release", "token", "node_id", "reach"]
+__all__ = ["Targets", "export", "unkept_bytes", "read", "fence", "settle", "unusable", "release", "token", "node_id",
+           "reach"]
 
 _TOKEN = uuid.uuid4().hex
 _lock = threading.Lock()  # guards building the exporter and readers once, and the keepers
@@ -109,6 +111,17 @@ def export(tensors, with_specs: bool = True, check=None, scan=None) -> SglangIpc
     else:
         meta.ipc = _parts()[0].export(scan.ptrs, scan.nbytes, device.index, node_id(), check)
     return meta
+
+
+def unkept_bytes(meta: SglangIpcTransportMetadata) -> int:
+    """How many bytes of the GPU tensors ``meta`` describes lie outside kept
+    memory (the staging pool): a reader maps their segments for one read and
+    closes them after, every time."""
+    part = meta.ipc
+    if part is None or part.kept_id:
+        return 0
+    kept = np.array([s[3] for s in part.segments], dtype=bool)
+    return int(part.nbytes[~kept[part.seg]].sum())
 
 
 def unusable(meta: SglangIpcTransportMetadata, device) -> Optional[str]:

@@ -38,6 +38,8 @@ def client_row(name: str, res: Dict[str, Any], ceiling_s: float, bucket_bytes: i
         "worst_over_median": max(steady) / med if med else 0.0,  # slowest update's time / median
         "peak_extra_mib": max(u["peak_extra_bytes"] for u in steady_ups) / MiB,
         "held_after_mib": max(u["held_after_bytes"] for u in ups) / MiB,
+        # read in place from outside the client's staging pool (mapped anew every update)
+        "outside_pool_mib": max(u.get("outside_pool_bytes", 0) for u in ups) / MiB,
         "slot_mib": res.get("slot_bytes", 0) / MiB,
         "bound_mib": 2 * bucket_bytes / MiB,
         "bytes_ok": all(u["check"]["ok"] for u in ups), "updates": len(ups),
@@ -152,7 +154,8 @@ def markdown(summary: Dict[str, Any], meta: Dict[str, Any]) -> str:
                    "slowest / median | peak extra | held after | bytes |")
         out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in s["client"]:
-            out.append(f"| {r['mode']} | {r['path']} ({r['transport']}) | {r['median_ms']:.1f} ms | "
+            outside = f", {r['outside_pool_mib']:.0f} MiB outside the pool" if r["outside_pool_mib"] else ""
+            out.append(f"| {r['mode']} | {r['path']} ({r['transport']}{outside}) | {r['median_ms']:.1f} ms | "
                        f"**{r['ratio']:.2f}x** | {' / '.join(f'{v:.1f}' for v in r['parts_ms'])} ms | "
                        f"{r['first_over_median']:.2f} | {r['worst_over_median']:.2f} | "
                        f"{r['peak_extra_mib']:.0f} MiB | {r['held_after_mib']:.0f} MiB"

@@ -169,7 +169,8 @@ class BenchTrainer:
                 # a stream: what its generator spent making tensors (the trainer's own work)
                 "generator_seconds": self._made_s,
                 **{k: d[k] for k in ("path", "transport", "lane_calls", "held_bytes", "begin_seconds",
-                                     "end_seconds", "plan_seconds", "bytes", "tensors")},
+                                     "end_seconds", "plan_seconds", "bytes", "tensors",
+                                     "outside_pool_bytes")},
                 "check": ray.get(rank.verify.remote(seed))}
 
     # -- ceilings in this process ------------------------------------------------- #

@@ -69,6 +69,7 @@ def test_bench_pull_cpu_mode_checks_bytes_and_prints_every_mode_with_its_ratio(r
         for u in run["updates"]:
             assert (u["path"], u["transport"], u["tensors"]) == ("buckets", "cma", 34), u
             assert u["lane_calls"] == u["steps"] >= 1, u  # one lane call per step (one rank)
+            assert u["outside_pool_bytes"] == 0, u  # copied into the slots: nothing read in place
             # the calling thread over update(): CPU time within its wall time, switches counted
             th = u["trainer_thread"]
             assert 0 < th["cpu_seconds"] <= u["seconds"] + 1e-3, (th, u["seconds"])

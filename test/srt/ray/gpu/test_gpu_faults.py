@@ -108,7 +108,7 @@ def test_tensors_made_outside_the_staging_pool_land_are_counted_and_named_once(g
         assert out["outside_pool_bytes"] == 0, out
         assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(23)
         told = [w for w in ray.get(trainer.client_warnings.remote(), timeout=60) if "staging pool" in w]
-        assert told == [f"[RDT] 32.0 MiB of this update's tensors were read from outside the staging pool: "
+        assert told == ["[RDT] 32.0 MiB of this update's tensors were read from outside the staging pool: "
                         "the ranks map that memory anew in every update and close it after (several times "
                         "slower); make them inside `with client.staging():` or in a generator passed to "
                         "update()"], told

@@ -366,15 +366,19 @@ class WeightSyncClient:
             logger.info("[RDT] update: %s", stats.summary())
             if stats.outside_pool_bytes and not self._told_outside_pool:
                 self._told_outside_pool = True
-                logger.warning("[RDT] %s of this update's tensors were read from outside the staging "
-                               "pool: the ranks map that memory anew in every update and close it after "
-                               "(several times slower); %s", buckets.describe_bytes(stats.outside_pool_bytes),
-                               "make them inside `with client.staging():` or in a generator passed to update()"
-                               if self._staging else
-                               "this client was made with staging=False")
+                self._tell_outside_pool(stats.outside_pool_bytes)
             return stats
         finally:
             self._busy.release()
+
+    def _tell_outside_pool(self, nbytes: int) -> None:
+        fix = ("make them inside `with client.staging():` or in a generator passed to update()"
+               if self._staging else
+               "this client was made with staging=False: leave staging on and make them inside "
+               "`with client.staging():`")
+        logger.warning("[RDT] %s of this update's tensors were read from outside the staging pool: the "
+                       "ranks map that memory anew in every update and close it after (several times "
+                       "slower); %s", buckets.describe_bytes(nbytes), fix)
 
     def _reclaim_stuck(self) -> None:
         """Free slots a failed update left in flight, once their pulls are over."""

@@ -52,10 +52,10 @@ class ModelPort:
         if self.sync is not None:
             self.sync.on_weight_update_begin()
 
-    def end_session(self) -> Optional[str]:
+    def end_session(self, abort: Optional[str] = None) -> Optional[str]:
         self.is_session_open = False
         self.run_post_load()
-        return self.sync.on_weight_update_end() if self.sync is not None else None
+        return self.sync.on_weight_update_end(abort) if self.sync is not None else None
 
     def run_post_load(self) -> None:
         if self.post_load is not None:

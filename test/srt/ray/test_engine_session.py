@@ -17,17 +17,27 @@ from sglang.srt.utils.aio_rwlock import RWLock
 class StandInTokenizerManager:
     """What the session calls on sglang's tokenizer manager, recorded."""
 
-    def __init__(self, end_problem=None):
+    def __init__(self, end_problem=None, paused=False):
         self.model_update_lock = RWLock()
         self.calls = []
         self.end_problem = end_problem
+        self.is_pause = paused
+        self.is_pause_cond = asyncio.Condition()
+
+    async def pause_generation(self, obj):
+        self.calls.append(f"pause {obj.mode}")
+        self.is_pause = True
+
+    async def continue_generation(self, obj):
+        self.calls.append("continue")
+        self.is_pause = False
 
     async def begin_weight_update_communicator(self, obj):
         self.calls.append("begin")
         return [types.SimpleNamespace(success=True, message="")]
 
     async def end_weight_update_communicator(self, obj):
-        self.calls.append("end")
+        self.calls.append(f"abort: {obj.abort_reason}" if obj.abort else "end")
         ok = self.end_problem is None
         return [types.SimpleNamespace(success=ok, message=self.end_problem or "")]
 
@@ -66,12 +76,32 @@ def test_begin_waits_for_in_flight_requests_and_holds_new_ones():
         assert not begin.done() and tm.calls == []  # draining
         await tm.model_update_lock.release_reader()
         opened = await asyncio.wait_for(begin, 5)
-        assert tm.calls == ["begin"] and session.status()["update_open"]
+        # drained, then paused in place (ranks pull only while paused), then begun
+        assert tm.calls == ["pause in_place", "begin"] and session.status()["update_open"]
         assert not await reader_can_enter(tm.model_update_lock)  # new requests held
         out = await session.end(weight_version="v2", session_id=opened["session_id"])
         assert out["success"] and out["flushed_cache"]
-        assert tm.calls == ["begin", "version v2", "end", "flush"]
-        assert await reader_can_enter(tm.model_update_lock)  # serving resumed
+        assert tm.calls == ["pause in_place", "begin", "version v2", "end", "flush", "continue"]
+        assert await reader_can_enter(tm.model_update_lock) and not tm.is_pause  # serving resumed
+
+    run(main)
+
+
+def test_a_caller_who_paused_first_stays_paused_after_the_session():
+    async def main(tm, session):
+        opened = await session.begin(lease_s=60)
+        await session.end(weight_version="v4", session_id=opened["session_id"])
+        assert tm.calls == ["begin", "version v4", "end", "flush"] and tm.is_pause
+
+    run(main, paused=True)
+
+
+def test_an_abort_drops_the_update_through_sglangs_end_and_continues():
+    async def main(tm, session):
+        opened = await session.begin(lease_s=60)
+        await session.abort("trainer died", session_id=opened["session_id"])
+        assert tm.calls == ["pause in_place", "begin", "abort: trainer died", "continue"]
+        assert await reader_can_enter(tm.model_update_lock) and not session.status()["update_open"]
 
     run(main)
 
@@ -123,6 +153,8 @@ def test_a_session_past_its_lease_is_aborted_by_the_engine():
             await asyncio.sleep(0.01)
         assert not session.status()["update_open"]
         assert await reader_can_enter(tm.model_update_lock)
+        assert tm.calls[2].startswith("abort: the update session was not finalized within its 0 s lease")
+        assert tm.calls[3:] == ["continue"] and not tm.is_pause
         with pytest.raises(WeightSyncSessionError, match="no update session is open"):
             await session.end(session_id=opened["session_id"])
 
@@ -170,5 +202,5 @@ def test_weight_sync_routes_answer_with_the_sessions_decisions():
         assert "status could not be read" in st["inconsistent_reason"]
         r3 = http.post("/weight_sync/end", json={"weight_version": 5, "session_id": r.json()["session_id"]})
         assert r3.status_code == 200 and r3.json()["weight_version"] == "5"
-        assert tm.calls == ["begin", "version 5", "end", "flush"]
+        assert tm.calls == ["pause in_place", "begin", "version 5", "end", "flush", "continue"]
         assert http.post("/weight_sync/abort", json={}).status_code == 409  # nothing open

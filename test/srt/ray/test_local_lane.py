@@ -104,7 +104,7 @@ def test_hello_admits_only_the_trainer_process_that_opened_the_lane(rank):
     info, link = open_link(rank, "trainer-a")
     try:
         assert info["node_id"] == NODE and info["pid"] == os.getpid()
-        assert rank.lane.status() == {"open": True, "senders": 1, "calls": 1, "held_pulls": 0}  # the hello
+        assert rank.lane.status() == {"open": True, "senders": 1, "calls": 1}  # the hello
         assert rank.status().lane == rank.lane.status()
         # A process that did not ask the actor for the lane is refused by name.
         with pytest.raises(WeightSyncError, match=r"refused the call: this trainer process did not "
@@ -326,58 +326,6 @@ def test_a_new_layout_is_planned_by_the_lane_while_the_scheduler_is_busy(rank):
         assert link.send("finalize", {"weight_version": "ahead"}).result(30)["update"]["pulls"] == 1
     finally:
         lanes.close()
-
-
-def test_a_held_scheduler_has_the_next_pull_run_by_the_lanes_thread_and_anything_else_releases_it(rank):
-    """A trainer's "hold" (sent before it describes an update's one pull)
-    makes the scheduler wait at its safe point; the lane's own thread then
-    runs that pull as the safe point (no hop to the loop's thread), and the
-    loop goes on after it. Any other request releases a hold at once."""
-    model = rank.model
-    threads = []  # where each pull's quiesce check ran
-    rank.port.idle = lambda: threads.append(threading.current_thread().name) or True
-    _, link = open_link(rank)
-    lanes = Lanes()
-    lanes.links[0] = link
-    try:
-        lanes.hold(0)
-        wait_until(lambda: rank.safe_point.holding is not None, 30, 0.001, "the scheduler to wait")
-        w1 = new_weights(model, 31)
-        g1 = group_of(w1, layout=1)
-        out = lanes.pull(0, g1, same_node.export(g1.tensors, with_specs=False), 10.0).result(30)
-        # (the hold looked on the loop's thread whether a pull would be accepted)
-        assert (out["tensors"], threads, rank.lane.status()["held_pulls"]) == (4, ["rank-loop", "rdt-lane"], 1)
-        assert all(torch.equal(p, w1[n]) for n, p in model.named_parameters())
-        assert rank.on_scheduler(lambda: threading.current_thread().name) == "rank-loop"  # it went on
-
-        # Without a hold, a pull runs on the loop's thread.
-        w2 = new_weights(model, 32)
-        g2 = group_of(w2, layout=2)
-        assert lanes.pull(0, g2, same_node.export(g2.tensors, with_specs=False), 10.0).result(30)["tensors"] == 4
-        assert threads[-1] == "rank-loop" and rank.lane.status()["held_pulls"] == 1
-
-        # A hold followed by another request: released, the request is served on the loop.
-        lanes.hold(0)
-        wait_until(lambda: rank.safe_point.holding is not None, 30, 0.001, "the scheduler to wait")
-        done = link.send("finalize", {"weight_version": "held"}).result(30)
-        assert (done["weight_version"], done["update"]["pulls"], done["update"]["consistent"]) == ("held", 2, True)
-        assert rank.safe_point.holding is None and rank.lane.status()["held_pulls"] == 1
-        assert all(torch.equal(p, w2[n]) for n, p in model.named_parameters())
-    finally:
-        lanes.close()
-
-
-def test_the_rank_holds_its_scheduler_only_while_a_pull_would_be_accepted(rank):
-    rank.port.is_paused = False
-    h = rank.hold(600.0)
-    rank.on_scheduler(lambda: None)  # queued after the hold: it has been decided
-    assert h.state == "missed" and rank.safe_point.holding is None
-    rank.port.is_paused = True
-    h = rank.hold(600.0)
-    wait_until(lambda: h.state == "held", 30, 0.001, "the scheduler to wait")
-    h.release()
-    assert rank.on_scheduler(lambda: threading.current_thread().name) == "rank-loop"
-    assert h.state == "missed"
 
 
 def test_a_trainer_that_leaves_mid_update_leaves_the_rank_inconsistent_until_a_whole_update(rank):
@@ -687,7 +635,7 @@ def test_a_client_opens_lanes_to_the_ranks_on_its_node_only(ray_client, caplog):
         try:
             assert set(lanes.links) == {0}
             st = ray_client.get(actors[0].get_weight_sync_status.remote(), timeout=60)["lane"]
-            assert st == {"open": True, "senders": 1, "calls": 1, "held_pulls": 0}
+            assert st == {"open": True, "senders": 1, "calls": 1}
             assert ray_client.get(actors[1].get_weight_sync_status.remote(), timeout=60)["lane"] == {"open": False}
             assert any("no call lane to rank 2 (fake-2)" in r.getMessage() for r in caplog.records)
             lanes.open(ranks, statuses, 120)  # once only

@@ -84,6 +84,75 @@ def test_pull_is_refused_unless_paused_or_in_a_session_and_counted(rank):
     assert rank.state.status()["failures"] == {"rejected": 2}
 
 
+def test_an_open_session_without_a_pause_refuses_pulls_naming_the_fix(rank):
+    """/begin_weight_update alone: requests would run between two pulls and be
+    answered from a partly written model, so the pull is refused (nothing read)."""
+    rank.begin()
+    src = MemorySource(weights(1.0))
+    with pytest.raises(WeightSyncError, match="session is open but generation is not paused") as e:
+        rank.pull_sources([src], NAMES)
+    assert "POST /pause_generation" in str(e.value) and src.threads == []
+    assert rank.state.status()["weights_consistent"] and not rank.state.wrote_weights
+    rank.port.is_paused = True  # miles' order: the same session now takes the pull
+    assert rank.pull_sources([src], NAMES)["tensors"] == 2
+
+
+def test_generation_continued_in_the_middle_of_an_update_marks_the_weights_inconsistent(rank):
+    rank.port.is_paused = True
+    rank.begin()
+    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
+    rank.port.is_paused = False
+    rank.on_scheduler(rank.on_generation_continued)  # /continue_generation before the end
+    st = rank.status()
+    assert not st.weights_consistent and "generation continued" in st.inconsistent_reason
+    rank.port.is_paused = True
+    rank.pull_sources([MemorySource(weights(2.0))], NAMES)
+    assert rank.finalize("v2")["update"]["consistent"]  # a complete update ends it
+    assert rank.status().weights_consistent
+
+
+class _Group:
+    """A stand-in for the group calls of a multi-rank group (one process)."""
+
+    def __init__(self, entry):
+        self.entry, self.calls = entry, []
+
+    def call(self, op, args, timeout_s):
+        self.calls.append(op)
+        return self.handler(op, args)
+
+
+def test_begin_finalize_abort_of_a_multi_rank_group_are_group_calls_from_its_first_rank(rank):
+    group = rank.group = _Group(entry=True)
+    group.handler = rank.group_op
+    rank.port.is_paused = True
+    assert rank.begin() == {"success": True} and rank.port.is_session_open
+    rank.pull_sources([MemorySource(weights(3.0))], NAMES)
+    assert rank.finalize("g1")["weight_version"] == "g1"
+    rank.begin()
+    assert rank.abort("gone")["inconsistent_reason"] is None  # nothing written: still consistent
+    assert group.calls == ["begin", "finalize", "begin", "abort"]
+    with pytest.raises(WeightSyncError, match="not with a pull"):  # a lane pull cannot end it
+        rank.pull_sources([MemorySource(weights(3.0))], NAMES, finalize={"weight_version": "x"})
+
+    rank.group = _Group(entry=False)
+    for call in (rank.begin, lambda: rank.finalize("v"), lambda: rank.abort("x")):
+        with pytest.raises(WeightSyncError, match=r"call it on the group's first rank \(tp_rank 0"):
+            call()
+    assert rank.group.calls == [] and not rank.port.is_session_open
+    assert rank.status().group_entry is False
+
+
+def test_an_abort_through_sglangs_end_drops_the_update(rank):
+    rank.port.is_paused = True
+    rank.begin()
+    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
+    assert rank.on_scheduler(lambda: rank.port.end_session(abort="lease expired")) is None
+    st = rank.status()
+    assert not st.update_open and not st.weights_consistent and st.inconsistent_reason == "lease expired"
+    assert st.failures == {"abort": 1} and rank.port.version is None
+
+
 def test_a_busy_rank_refuses_even_when_paused(rank):
     rank.port.is_paused = True
     rank.port.idle = lambda: False
@@ -119,10 +188,12 @@ def test_session_lifecycle_through_the_port(rank):
 
 
 def test_finalize_flushes_the_cache_only_when_asked_and_weights_were_written(rank):
+    rank.port.is_paused = True  # (miles: /pause_generation, then /begin_weight_update)
     rank.begin()
     rank.pull_sources([MemorySource(weights(1.0))], NAMES)
     out = rank.finalize("v1", flush_cache=False)
     assert out["flushed_cache"] is False and rank.port.flushes == 0
+    rank.port.is_paused = True  # (miles: /pause_generation, then /begin_weight_update)
     rank.begin()
     rank.pull_sources([MemorySource(weights(2.0))], NAMES)
     out = rank.finalize("v2")
@@ -204,6 +275,7 @@ def test_abort_closes_the_session_without_a_version(rank):
 
 
 def test_abort_after_a_pull_leaves_the_weights_inconsistent(rank):
+    rank.port.is_paused = True  # (miles: /pause_generation, then /begin_weight_update)
     rank.begin()
     rank.pull_sources([MemorySource(weights(1.0))], NAMES)
     status = rank.abort("trainer died")
@@ -212,6 +284,7 @@ def test_abort_after_a_pull_leaves_the_weights_inconsistent(rank):
 
 
 def test_abort_queues_the_next_updates_walk_like_an_end(rank):
+    rank.port.is_paused = True  # (miles: /pause_generation, then /begin_weight_update)
     rank.begin()
     rank.pull_sources([MemorySource(weights(1.0))], NAMES)
     rank.abort("trainer died")
@@ -226,7 +299,8 @@ def test_a_refused_pull_leaves_the_collector_on(rank):
     assert gc.isenabled() and not rank.state.update_open
 
 
-def test_a_pull_after_shutdown_is_refused_and_shutdown_lets_go_of_the_collector(rank):
+def test_a_pull_after_shutdown_is_refused_and_shutdown_lets_go_of_the_collector(rank, monkeypatch):
+    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "1")
     rank.port.is_paused = True
     rank.pull_sources([MemorySource(weights(1.0))], NAMES)
     assert not gc.isenabled()  # the update is still open
@@ -289,6 +363,7 @@ def test_sglangs_end_weight_update_ends_the_update_with_a_flush_and_walks(rank):
     """miles ends an update with /end_weight_update: sglang's session end,
     whose listener ends the rank's update (flush, state) and queues the walk."""
     walks = _count_walks(rank)
+    rank.port.is_paused = True
     rank.on_scheduler(rank.port.begin_session)
     rank.pull_sources([MemorySource(weights(6.0))], NAMES)
     assert rank.on_scheduler(rank.port.end_session) is None  # a clean update
@@ -334,18 +409,24 @@ def test_an_update_ended_on_the_lane_walks_after_its_answer_left(rank, monkeypat
 # --------------------------------------------------------------------------- #
 # The collector during an update (SGLANG_RDT_PAUSE_GC)
 # --------------------------------------------------------------------------- #
-def test_the_collector_stays_off_from_the_first_pull_until_the_update_ends(rank):
+def test_the_collector_stays_off_from_the_first_pull_until_the_update_ends(rank, monkeypatch):
+    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "1")
     assert gc.isenabled()
+    rank.port.is_paused = True  # (miles: /pause_generation, then /begin_weight_update)
     rank.begin()
     rank.pull_sources([MemorySource(weights(1.0))], NAMES)
     assert not gc.isenabled()
     rank.pull_sources([MemorySource(weights(2.0))], NAMES)
     assert not gc.isenabled()
     rank.finalize("v1")
+    assert not gc.isenabled()  # still paused for the next update: until generation continues
+    rank.port.is_paused = False
+    rank.on_scheduler(rank.on_generation_continued)
     assert gc.isenabled()
 
 
-def test_a_rank_paused_for_the_next_update_collects_again_when_generation_continues(rank):
+def test_a_rank_paused_for_the_next_update_collects_again_when_generation_continues(rank, monkeypatch):
+    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "1")
     rank.port.is_paused = True
     rank.pull_sources([MemorySource(weights(1.0))], NAMES)
     rank.finalize("v1")
@@ -355,8 +436,13 @@ def test_a_rank_paused_for_the_next_update_collects_again_when_generation_contin
     assert gc.isenabled()
 
 
-def test_sglang_rdt_pause_gc_0_leaves_the_collector_alone(rank, monkeypatch):
-    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "0")
+@pytest.mark.parametrize("setting", [None, "0"], ids=["default", "off"])
+def test_by_default_or_with_sglang_rdt_pause_gc_0_the_collector_is_left_alone(rank, monkeypatch, setting):
+    if setting is None:
+        monkeypatch.delenv("SGLANG_RDT_PAUSE_GC", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", setting)
+    rank.port.is_paused = True  # (miles: /pause_generation, then /begin_weight_update)
     rank.begin()
     rank.pull_sources([MemorySource(weights(1.0))], NAMES)
     assert gc.isenabled() and gc_pause.holders() == set()
@@ -397,7 +483,7 @@ def test_status_reports_the_update_the_receiver_and_the_loop(rank, monkeypatch):
     rank.open_lane("trainer-x", os.getpid())
     st = rank.status()
     assert st.ipc_reach == {"node_id": "test-node", "gpus": []}
-    assert st.lane == {"open": True, "senders": 1, "calls": 0, "held_pulls": 0}
+    assert st.lane == {"open": True, "senders": 1, "calls": 0}
 
     rank.loop.stop()
     assert rank.status().event_loop == "stopped"

@@ -374,30 +374,40 @@ def test_gc_stays_off_from_the_first_pull_until_the_update_ends(ipc_pair):
     update: the rank turns automatic collection off at its first pull and
     back on when the update ends."""
     ray, rank, trainer = ipc_pair
-    ray.get(rank.set_paused.remote(False))  # generation runs; it lets go of any earlier hold
-    assert ray.get(rank.gc_enabled.remote())
-    ray.get(rank.begin_weight_update.remote(), timeout=60)
-    names, new = _new_weights(14)
-    (ref,) = ray.get(trainer.put.remote(new))
-    ray.get(rank.pull_weights.remote([ref], names), timeout=60)
-    assert not ray.get(rank.gc_enabled.remote())
-    ray.get(rank.finalize_weight_update.remote("v1"), timeout=60)
-    assert ray.get(rank.gc_enabled.remote())
+    ray.get(rank.set_env.remote("SGLANG_RDT_PAUSE_GC", "1"))  # (opt-in)
+    try:
+        ray.get(rank.set_paused.remote(False))  # generation runs; it lets go of any earlier hold
+        assert ray.get(rank.gc_enabled.remote())
+        ray.get(rank.set_paused.remote(True))  # miles: pause, then begin
+        ray.get(rank.begin_weight_update.remote(), timeout=60)
+        names, new = _new_weights(14)
+        (ref,) = ray.get(trainer.put.remote(new))
+        ray.get(rank.pull_weights.remote([ref], names), timeout=60)
+        assert not ray.get(rank.gc_enabled.remote())
+        ray.get(rank.finalize_weight_update.remote("v1"), timeout=60)
+        ray.get(rank.set_paused.remote(False))  # generation continues
+        assert ray.get(rank.gc_enabled.remote())
+    finally:
+        ray.get(rank.set_env.remote("SGLANG_RDT_PAUSE_GC", None))
 
 
 def test_gc_stays_off_on_a_paused_rank_until_generation_continues(ipc_pair):
     ray, rank, trainer = ipc_pair
-    ray.get(rank.set_paused.remote(False))
-    ray.get(rank.set_paused.remote(True))  # paused for updates, as miles leaves a rank
-    assert ray.get(rank.gc_enabled.remote())
-    names, new = _new_weights(15)
-    (ref,) = ray.get(trainer.put.remote(new))
-    ray.get(rank.pull_weights.remote([ref], names), timeout=60)
-    ray.get(rank.finalize_weight_update.remote("v1"), timeout=60)
-    # still paused: a collection pending now would land in the next update's first pull
-    assert not ray.get(rank.gc_enabled.remote())
-    ray.get(rank.set_paused.remote(False))
-    assert ray.get(rank.gc_enabled.remote())
+    ray.get(rank.set_env.remote("SGLANG_RDT_PAUSE_GC", "1"))  # (opt-in)
+    try:
+        ray.get(rank.set_paused.remote(False))
+        ray.get(rank.set_paused.remote(True))  # paused for updates, as miles leaves a rank
+        assert ray.get(rank.gc_enabled.remote())
+        names, new = _new_weights(15)
+        (ref,) = ray.get(trainer.put.remote(new))
+        ray.get(rank.pull_weights.remote([ref], names), timeout=60)
+        ray.get(rank.finalize_weight_update.remote("v1"), timeout=60)
+        # still paused: a collection pending now would land in the next update's first pull
+        assert not ray.get(rank.gc_enabled.remote())
+        ray.get(rank.set_paused.remote(False))
+        assert ray.get(rank.gc_enabled.remote())
+    finally:
+        ray.get(rank.set_env.remote("SGLANG_RDT_PAUSE_GC", None))
 
 
 def test_sglang_rdt_pause_gc_0_leaves_the_collector_on(ipc_pair):

@@ -18,6 +18,7 @@ import logging
 import pytest
 import torch
 
+from conftest import wait_until
 from sglang.srt.ray.rdt import gc_pause
 from sglang.srt.ray.rdt.defaults import SGLANG_IPC
 from sglang.srt.ray.rdt.engine.plan import TensorSpec
@@ -32,7 +33,9 @@ NODE, OTHER_NODE, GPU0, GPU1 = "node-a", "node-b", "GPU-0000", "GPU-1111"
 
 
 @pytest.fixture
-def gc_on():
+def gc_on(monkeypatch):
+    """The collector on, and the pause opted in (SGLANG_RDT_PAUSE_GC=1)."""
+    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "1")
     was = gc.isenabled()
     gc.enable()
     yield
@@ -53,6 +56,23 @@ def test_gc_is_off_while_any_holder_holds_and_back_on_after_the_last(gc_on):
     assert not gc.isenabled()  # the other holder still holds it
     assert gc_pause.resume("another holder")
     assert gc.isenabled() and gc_pause.holders() == set()
+
+
+def test_gc_pause_is_opt_in(gc_on, monkeypatch):
+    monkeypatch.delenv("SGLANG_RDT_PAUSE_GC")
+    assert not gc_pause.pause("rank weight update")
+    assert gc.isenabled() and gc_pause.holders() == set()
+
+
+def test_a_hold_past_its_bound_is_ended_by_the_timer(gc_on, monkeypatch):
+    """Nobody ends the hold (a rank left paused): the timer turns collection
+    back on after MAX_HOLD_S."""
+    monkeypatch.setattr(gc_pause, "MAX_HOLD_S", 0.05)
+    assert gc_pause.pause("rank weight update")
+    wait_until(gc.isenabled, 30, 0.01, "the timer to end the hold")
+    assert gc_pause.holders() == set()
+    assert gc_pause.pause("rank weight update")  # the next update pauses again
+    assert gc_pause.resume("rank weight update") and gc.isenabled()
 
 
 def test_gc_pause_leaves_a_collector_the_process_turned_off_alone(gc_on):
@@ -324,14 +344,15 @@ class CoreRank:
 
 
 def test_rank_core_keeps_gc_off_while_paused_between_updates_and_on_after_a_session(ray_client):
-    """Paused (miles' way), a collection pending at an update's end would fire
-    inside the next update's first call: collection stays off until
-    generation continues. Inside a session, it is back on when the update
-    ends. ``SGLANG_RDT_PAUSE_GC=0`` on the rank leaves the collector alone."""
+    """Opted in (``SGLANG_RDT_PAUSE_GC=1``) and paused (miles' way), a
+    collection pending at an update's end would fire inside the next
+    update's first call: collection stays off until generation continues.
+    ``SGLANG_RDT_PAUSE_GC=0`` on the rank leaves the collector alone."""
     rank, trainer = CoreRank.remote(), ToyTrainer.remote("SGLANG_IPC")
     try:
         names = [n for n, _ in toy_model(1).named_parameters()]
         new = [p.detach().clone() for _, p in toy_model(1).named_parameters()]
+        ray_client.get(rank.set_env.remote("SGLANG_RDT_PAUSE_GC", "1"))
         ray_client.get(rank.set_paused.remote(True))
         assert ray_client.get(rank.gc_enabled.remote())
         (ref,) = ray_client.get(trainer.put.remote(new))
@@ -341,13 +362,6 @@ def test_rank_core_keeps_gc_off_while_paused_between_updates_and_on_after_a_sess
         ray_client.get(rank.finalize.remote(), timeout=60)
         assert not ray_client.get(rank.gc_enabled.remote())  # still paused: still off
         ray_client.get(rank.set_paused.remote(False))
-        assert ray_client.get(rank.gc_enabled.remote())
-        # a session instead of a pause: on again when the update ends
-        ray_client.get(rank.begin.remote(), timeout=60)
-        (ref,) = ray_client.get(trainer.put.remote(new))
-        ray_client.get(rank.pull.remote([ref], names), timeout=60)
-        assert not ray_client.get(rank.gc_enabled.remote())
-        ray_client.get(rank.finalize.remote(), timeout=60)
         assert ray_client.get(rank.gc_enabled.remote())
         # switched off on the rank: a pull under a pause leaves it on
         ray_client.get(rank.set_env.remote("SGLANG_RDT_PAUSE_GC", "0"))

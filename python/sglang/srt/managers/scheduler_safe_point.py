@@ -65,9 +65,6 @@ class SafePointQueue:
         # idle wait; None: not built yet; False: this loop must not wait.
         self._idle_poller: Any = None
         self.idle_waits = 0  # how many times the loop waited (status, tests)
-        self.holding: Optional["Hold"] = None  # the loop waits for its task (see hold)
-        self._held_thread: Optional[int] = None  # the thread running a held task
-        self._held_scheduler: Any = None
 
     def wake_fd(self) -> int:
         """A file descriptor that becomes readable whenever a task is queued.
@@ -237,9 +234,6 @@ class SafePointQueue:
                     return _stamped(fn(scheduler), {"queued": queued})
         if threading.get_ident() == self._loop_thread:  # already at the safe point
             return _stamped(fn(scheduler), {"queued": queued})
-        if threading.get_ident() == self._held_thread:  # the loop waits for this thread
-            return _stamped(fn(scheduler if scheduler is not None else self._held_scheduler),
-                            {"queued": queued})
         fut: Future = Future()
         stamps = {"queued": queued}
         self._tasks.put((fn, fut, stamps))
@@ -252,92 +246,15 @@ class SafePointQueue:
                     f"the scheduler did not reach a safe point within {timeout_s:.0f} s "
                     "(a long batch, or the event loop is stuck); nothing was changed"
                 ) from None
-            # It started just now: wait for it to finish rather than leave it
-            # running behind the caller's back.
-            result = fut.result()
-        return _stamped(result, stamps)
-
-
-    def hold(self, wait_s: float, ready: Optional[Callable[[Any], Any]] = None) -> Optional["Hold"]:
-        """Ask the loop to stop at its next safe point and wait there, for at
-        most ``wait_s``, for a task that the caller's thread will run itself
-        (:meth:`Hold.taken`): work known to be on its way (a weight update
-        whose pull is still being described) then starts without a hop to
-        the loop's thread. ``ready(scheduler)``, run on the loop's thread
-        when it gets there, returns a context to run the task in (the loop's
-        CUDA stream, say), or None: do not wait. Returns None when no loop
-        runs to take the request."""
-        h = Hold(self)
-        return h if self.post(lambda scheduler: h._wait(scheduler, ready, wait_s)) else None
-
-
-class Hold:
-    """The loop held at its safe point for one task of another thread
-    (:meth:`SafePointQueue.hold`). States: asked, held, taken, done; missed
-    (the loop did not wait, the wait ran out, or nobody took it)."""
-
-    def __init__(self, tasks: SafePointQueue):
-        self._tasks = tasks
-        self._cond = threading.Condition()
-        self.state = "asked"
-        self._context: Any = None
-        self._scheduler: Any = None
-
-    def _wait(self, scheduler, ready, wait_s: float) -> None:  # on the loop's thread
-        try:
-            context = contextlib.nullcontext() if ready is None else ready(scheduler)
-        except BaseException:
-            self.release()
-            raise
-        with self._cond:
-            if self.state != "asked" or context is None:
-                self.state = "missed"
-                return
-            self._context, self._scheduler, self.state = context, scheduler, "held"
-            self._tasks.holding = self
+            # It started just now: wait for it to finish (its own bounds end
+            # it) rather than leave it running behind the caller's back.
             try:
-                deadline = time.monotonic() + wait_s
-                while self.state == "held":
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self.state = "missed"
-                        return
-                    self._cond.wait(left)
-                # Taken: the task runs on its own thread, as if here (it is
-                # bounded by its own timeouts); the loop goes on once it ended.
-                while self.state == "taken":
-                    self._cond.wait()
-            finally:
-                self._tasks.holding = None
-
-    @contextlib.contextmanager
-    def taken(self):
-        """Yields True, with this thread at the loop's safe point until the
-        block ends (a :meth:`SafePointQueue.call` from it runs in place), when
-        the loop waits for it; else False (run the task the usual way)."""
-        with self._cond:
-            held = self.state == "held"
-            self.state = "taken" if held else "missed"
-        if not held:
-            yield False
-            return
-        tasks = self._tasks
-        tasks._held_thread, tasks._held_scheduler = threading.get_ident(), self._scheduler
-        try:
-            with self._context:
-                yield True
-        finally:
-            tasks._held_thread = tasks._held_scheduler = None
-            with self._cond:
-                self.state = "done"
-                self._cond.notify_all()
-
-    def release(self) -> None:
-        """Not needed after all: the loop goes on (if it waits, at once)."""
-        with self._cond:
-            if self.state in ("asked", "held"):
-                self.state = "missed"
-                self._cond.notify_all()
+                result = fut.result(timeout=timeout_s)
+            except FutureTimeout:
+                raise TimeoutError(
+                    f"work at the scheduler's safe point started but did not finish within "
+                    f"{timeout_s:.0f} s more; it may still run") from None
+        return _stamped(result, stamps)
 
 
 def _log_posted_failure(fut: Future) -> None:

@@ -16,10 +16,12 @@ A listener implements any of these methods (all run on the scheduler thread):
     register again after the resume.
 ``on_weight_update_begin()``
     a weight-update session opened on this rank.
-``on_weight_update_end() -> Optional[str]``
-    the session closed (post-load processing done). A returned message is a
-    problem with the update (e.g. two trainers wrote one parameter): the
-    scheduler reports ``end_weight_update`` as failed with that message.
+``on_weight_update_end(aborted) -> Optional[str]``
+    the session closed (post-load processing done); ``aborted``: None, or
+    why the update was dropped (``end_weight_update`` with ``abort``). A
+    returned message is a problem with the update (e.g. two trainers wrote
+    one parameter): the scheduler reports ``end_weight_update`` as failed
+    with that message (a problem on any rank of the TP group).
 ``on_weights_loaded(source)``
     an ``update_weights_from_{disk,distributed,tensor,ipc}`` call finished
     loading (``source``: ``"disk"``, ...): its post-load processing may have
@@ -78,18 +80,32 @@ def notify_weight_update_begin(scheduler) -> None:
         fn()
 
 
-def notify_weight_update_end(scheduler) -> Optional[str]:
+def notify_weight_update_end(scheduler, aborted: Optional[str] = None) -> Optional[str]:
     """The problems listeners found with the update that ended, or None."""
     problems: List[str] = []
     for fn in _listeners(scheduler, "on_weight_update_end"):
         try:
-            problem = fn()
+            problem = fn(aborted)
         except Exception as e:  # the session is closed either way
             problem = f"{type(e).__name__}: {e}"
             logger.error("weight listener failed at end_weight_update: %s", problem)
         if problem:
             problems.append(problem)
     return "; ".join(problems) or None
+
+
+def gather_problems(problem: Optional[str], group) -> Optional[str]:
+    """Every rank's ``problem`` with the update that ended, over the TP
+    group's CPU ``group`` (a collective: every rank calls it at the same
+    point, so it is their barrier too). None when no rank found one."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    if size == 1:
+        return problem
+    problems: List[Optional[str]] = [None] * size
+    dist.all_gather_object(problems, problem, group=group)
+    return "; ".join(f"TP rank {i}: {p}" for i, p in enumerate(problems) if p) or None
 
 
 def notify_generation_paused(scheduler, mode: str) -> None:

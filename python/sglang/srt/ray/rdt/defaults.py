@@ -16,11 +16,6 @@ SAFE_POINT_TIMEOUT_S = 120.0
 # How long a pull waits for a /pause_generation that is on its way to the scheduler.
 PAUSE_GRACE_S = 1.0
 
-# How long a rank's scheduler waits at its safe point for the pull of an
-# update whose trainer said it is on its way (the lane's "hold"): the
-# trainer's look at its tensors, ~1 ms for thousands of them.
-HOLD_WAIT_S = 0.02
-
 # The engine aborts an update session not ended within this many seconds.
 SESSION_LEASE_S = 300.0
 # How long opening a session waits for in-flight requests to finish.

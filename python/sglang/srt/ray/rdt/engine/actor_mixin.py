@@ -8,9 +8,10 @@ sglang's own lifecycle over HTTP (``/pause_generation``,
 ``/begin_weight_update``, pulls, ``/update_weight_version``,
 ``/end_weight_update``, ``/continue_generation``: what miles does) or the
 actor calls ``begin_weight_update()``, ``finalize_weight_update()`` and
-``abort_weight_update()``. A pull is refused unless generation is paused or a
-weight-update session is open, and no batch is running; pulls, begin and
-finalize run on the scheduler's own thread between loop iterations.
+``abort_weight_update()`` (on a TP/PP group: called on its first rank, they
+act on every rank in the same loop iteration). A pull is refused unless
+generation is paused and no batch is running; pulls, begin and finalize run
+on the scheduler's own thread between loop iterations.
 
 :class:`RdtWeightSyncMixin` is what an engine started with
 ``--enable-rdt-weight-sync`` adds to sglang's SchedulerActor
@@ -180,6 +181,7 @@ class RdtWeightSyncMixin(RankActorApi):
                 MEMORY_SAVER_REASON if getattr(server_args, "enable_memory_saver", False) else None),
             transports=[NIXL],
         )
+        self._rdt_sync.group = self._group_calls(safe_point)
         self._rdt_rank_label = labels
         rdt_metrics.configure(bool(getattr(server_args, "enable_metrics", False)), labels)
         add_weight_listener(self.scheduler, self._rdt_sync)
@@ -189,6 +191,21 @@ class RdtWeightSyncMixin(RankActorApi):
             self._rdt_sync.transports.append(sglang_ipc.register())
         except Exception as e:
             logger.warning("[RDT] same-node fast path unavailable, NIXL only: %s", e)
+
+    def _group_calls(self, safe_point):
+        """Group calls over this rank's TP/PP group (None: a group of one)."""
+        from sglang.srt.managers.scheduler_group_calls import (GroupCalls, attach_group_calls,
+                                                               gather_over)
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        if par.tp_size * par.pp_size == 1:
+            return None
+        calls = GroupCalls(self._rdt_sync.group_op, entry=par.tp_rank == 0 and par.pp_rank == 0,
+                           gather=gather_over(par.tp_group.cpu_group) if par.tp_size > 1 else None,
+                           loop_state=lambda: safe_point.state, label=self._rdt_sync.state.rank)
+        attach_group_calls(self.scheduler, calls)
+        return calls
 
     def _status_extra(self) -> Dict[str, Any]:
         return {"idle_sleep": self._rdt_idle_sleep}

@@ -17,11 +17,8 @@ Threads: one serves the socket (reads every request, answers all but pulls);
 a pull is handed to one of :data:`PULL_WORKERS` threads that waits for the
 scheduler to run it and answers it, so the next pull is read and queued at
 the scheduler's safe point while this one copies (back to back, no round
-trip between them). A trainer about to describe an update of one pull
-says so first ("hold", not answered): the scheduler then waits at its safe
-point (at most ``HOLD_WAIT_S``) and the serving thread runs that pull itself
-the moment it arrives, with no hop to another thread. Anything else on a
-connection, and its end, waits for that connection's pulls first. A pull
+trip between them). Anything else on a connection, and its end, waits
+for that connection's pulls first (bounded like the pulls). A pull
 that asks for a fence (a GPU read of the staging pool) is answered as soon
 as its copy is queued: the trainer waits on the rank's inter-process event
 (handed out with the lane) before it lets go of its tensors, and the
@@ -52,7 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, Dict, List, Optional
 
-from sglang.srt.ray.rdt.defaults import HOLD_WAIT_S
+from sglang.srt.ray.rdt.defaults import PULL_WAIT_MARGIN_S, PULL_TIMEOUT_S
 from sglang.srt.ray.rdt.engine.plan import TensorSpec
 from sglang.srt.ray.rdt.engine.sources import LocalSource
 from sglang.srt.ray.rdt.engine.update_state import Writer
@@ -71,8 +68,6 @@ DIR_PREFIX = "sglang-rdt-lane-"
 MAX_LAYOUTS = 4096
 # Threads that wait for pulls (two keep the scheduler's next pull queued).
 PULL_WORKERS = 2
-# What _handle returns for a request that gets no answer ("hold").
-_NO_ANSWER = object()
 
 
 def remove_dead_lanes(base: str) -> int:
@@ -106,13 +101,15 @@ class _Connection:
         self.layouts: Dict[int, tuple] = {}  # id -> (names, specs, plan key)
         self.sources: Dict[int, Any] = {}  # kept description id -> its description
         self.pulls: List[Future] = []  # answered by a worker once done (serving thread only)
-        self.hold = None  # the scheduler waiting for this connection's next pull (a Hold)
         self.send_lock = threading.Lock()  # guards writing answers to the socket
 
     def settle(self) -> None:
-        """Wait for the pulls in flight: what comes next is ordered after them."""
-        futures_wait(self.pulls)
-        self.pulls.clear()
+        """Wait for the pulls in flight: what comes next is ordered after
+        them (each pull ends within its own bound; this wait has one too)."""
+        futures_wait(self.pulls, timeout=PULL_TIMEOUT_S + PULL_WAIT_MARGIN_S)
+        self.pulls = [f for f in self.pulls if not f.done()]
+        if self.pulls:
+            logger.error("[RDT] lane: %d pulls still run after their bound", len(self.pulls))
 
 
 class RankLane:
@@ -131,7 +128,6 @@ class RankLane:
         self._stop = threading.Event()
         self._defined = 0  # layouts defined on any connection (serving thread only)
         self.calls = 0
-        self.held_pulls = 0  # pulls run by the serving thread, the scheduler held for them
         # Pulls wait for the scheduler here, so the serving thread reads the
         # next request meanwhile and the rank copies it right after this one.
         self._workers = ThreadPoolExecutor(max_workers=PULL_WORKERS, thread_name_prefix="rdt-lane-pull")
@@ -170,8 +166,7 @@ class RankLane:
         with self._lock:
             return {"open": (self._thread is not None and self._thread.is_alive()
                              and not self._stop.is_set()),
-                    "senders": len(self._senders), "calls": self.calls,
-                    "held_pulls": self.held_pulls}
+                    "senders": len(self._senders), "calls": self.calls}
 
     def close(self) -> None:
         self._stop.set()
@@ -195,7 +190,6 @@ class RankLane:
                         sel.register(conn, selectors.EVENT_READ, _Connection())
                     elif not self._serve_one(key.fileobj, key.data):
                         sel.unregister(key.fileobj)
-                        self._release_hold(key.data)
                         key.data.settle()  # (its last answers may find the socket closed)
                         key.fileobj.close()
                         writer = key.data.writer
@@ -225,29 +219,11 @@ class RankLane:
             reply = ("error", "wrong lane secret")  # nothing was unpickled
         else:
             reply = self._handle(conn, body[SECRET_BYTES + ID_BYTES:])
-        if reply is _NO_ANSWER:
-            return True
         if callable(reply):  # a pull: a worker answers it once done
             conn.pulls = [f for f in conn.pulls if not f.done()]
-            hold, conn.hold = conn.hold, None
-            if hold is not None and not conn.pulls:  # (nothing of this connection's before it)
-                with hold.taken() as held:
-                    if held:  # the scheduler waits for it: run and answer it here
-                        self.held_pulls += 1
-                        self._answer_later(sock, conn, req_id, reply, received)
-                        return True
-            if hold is not None:
-                hold.release()
             conn.pulls.append(self._workers.submit(self._answer_later, sock, conn, req_id, reply, received))
             return True
-        self._release_hold(conn)
         return self._answer(sock, conn, req_id, reply)
-
-    @staticmethod
-    def _release_hold(conn: _Connection) -> None:
-        hold, conn.hold = conn.hold, None
-        if hold is not None:
-            hold.release()
 
     def _answer_later(self, sock, conn: _Connection, req_id: bytes, pull, received: float) -> None:
         picked = time.perf_counter()
@@ -285,14 +261,7 @@ class RankLane:
         """The answer to a request, or (a pull) what a worker runs to answer it."""
         try:
             op, kw = pickle.loads(payload)
-            if op == "hold":  # the trainer describes an update's one pull now (not answered)
-                if conn.writer is not None:
-                    self._release_hold(conn)
-                    conn.hold = self._rank.hold(HOLD_WAIT_S)
-                return _NO_ANSWER
             self.calls += 1
-            if op != "pull":
-                self._release_hold(conn)  # (the scheduler is needed for this, or not held)
             if op != "pull" or kw.get("finalize") is not None:
                 conn.settle()  # ordered after the pulls sent before it (a pull that ends the update too)
             if op == "hello":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -38,7 +39,10 @@ from sglang.srt.ray.rdt.transport import same_node
 
 logger = logging.getLogger(__name__)
 
-NOT_PAUSED = "no weight-update session is open and generation is not paused"
+NOT_PAUSED = "generation is not paused"
+NOT_PAUSED_IN_SESSION = (
+    "a weight-update session is open but generation is not paused, so requests would be "
+    "answered between pulls from a partly written model")
 _NOT_PAUSED_YET = object()
 
 NOT_QUIESCED = (
@@ -46,9 +50,12 @@ NOT_QUIESCED = (
     "Pause generation first — POST /pause_generation (mode abort, retract or "
     "in_place), then POST /begin_weight_update; POST /weight_sync/begin, "
     "RayEngine.begin_weight_sync() and WeightSyncClient.update() drain in-flight "
-    "requests and hold new ones instead — and end the update with "
+    "requests and pause instead — and end the update with "
     "POST /end_weight_update and /continue_generation."
 )
+CONTINUED_MID_UPDATE = (
+    "generation continued while an update that had written weights was still open: requests "
+    "may have been answered from a partly written model until the update ends")
 
 
 def failure_kind(exc: BaseException) -> Optional[str]:
@@ -92,6 +99,8 @@ class RankStatus:
     kept_mappings: Dict[str, int] = field(default_factory=dict)
     event_loop: str = "not_started"
     idle_sleep: str = "off"
+    # where begin/finalize/abort go: the first rank of a TP/PP group
+    group_entry: bool = True
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -112,7 +121,11 @@ class RankWeightSync:
             registration_disabled_reason=registration_disabled_reason, state=self.state,
         )
         self.lane = None  # a RankLane once a trainer on this node opened one
+        self._lane_lock = threading.Lock()  # guards making the lane (once)
         self._refresh_posted = False  # prepare_next_pull's walk is queued
+        # Collectives of a multi-rank group (TP/PP) run as group calls
+        # (managers/scheduler_group_calls.py); None: a group of one rank.
+        self.group = None
 
     # -- the same-node lane ---------------------------------------------------- #
     def open_lane(self, sender: str, pid: int = 0, probe=None) -> Dict[str, Any]:
@@ -123,10 +136,11 @@ class RankWeightSync:
         why = None if probe is None else self._probe_read(probe)
         if why is not None:
             return {"node_id": same_node.node_id(), "unreadable": why}
-        if self.lane is None:
-            from sglang.srt.ray.rdt.engine.local_lane import RankLane
+        with self._lane_lock:  # (two trainers at once: one lane)
+            if self.lane is None:
+                from sglang.srt.ray.rdt.engine.local_lane import RankLane
 
-            self.lane = RankLane(self, after_reply=self.prepare_next_pull)
+                self.lane = RankLane(self, after_reply=self.prepare_next_pull)
         out = self.lane.open(sender, pid)
         out["node_id"] = same_node.node_id()
         out["fence"] = same_node.fence(self.device)
@@ -158,25 +172,12 @@ class RankWeightSync:
         """Run ``fn()`` on the scheduler thread at its next safe point."""
         return self.safe_point.call(None, lambda _scheduler: fn(), timeout_s)
 
-    def hold(self, wait_s: float):
-        """Have the scheduler wait at its next safe point, for at most
-        ``wait_s``, for a pull the caller's thread runs itself (a
-        ``scheduler_safe_point.Hold``; the lane's, for an update on its way)
-        — only while a pull would be accepted. The pull then runs on the
-        scheduler's CUDA stream, as it would on its thread."""
-        def ready(_scheduler):
-            if self.quiesced() is not None:
-                return None
-            if self.device is not None and self.device.type == "cuda":
-                return torch.cuda.stream(torch.cuda.current_stream(self.device))
-            return contextlib.nullcontext()
-
-        return self.safe_point.hold(wait_s, ready)
-
     def quiesced(self) -> Optional[str]:
-        """None when a pull is safe now, else why not (on the scheduler thread)."""
-        if not (self.port.session_open() or self.port.paused()):
-            return NOT_PAUSED
+        """None when a pull is safe now, else why not (on the scheduler
+        thread): generation must be paused (an open session alone would let
+        requests run between pulls) and no batch running."""
+        if not self.port.paused():
+            return NOT_PAUSED_IN_SESSION if self.port.session_open() else NOT_PAUSED
         try:
             idle = self.port.idle()
         except Exception as e:  # pragma: no cover - defensive
@@ -192,8 +193,12 @@ class RankWeightSync:
                      finalize: Optional[Dict[str, Any]] = None):
         """A lane request's pull (:mod:`.local_lane`), the same way;
         ``finalize`` (``{"weight_version", "flush_cache"}``): the update's
-        only pull, from its only writer: the update ends right after it, in
-        the same turn of the scheduler (the result's ``"finalized"``)."""
+        only pull, from its only writer, to an engine of one rank: the update
+        ends right after it, in the same turn of the scheduler (the result's
+        ``"finalized"``)."""
+        if finalize is not None and self.group is not None:
+            raise WeightSyncError("an update of a multi-rank group ends with finalize_weight_update "
+                                  "on its first rank, not with a pull")
         return self._pull(lambda: sources, names, timeout, key, finalize)
 
     def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None,
@@ -212,8 +217,8 @@ class RankWeightSync:
                                                            finalize.get("flush_cache", True))
                     out.setdefault("timing", {})["ended"] = time.perf_counter()
                 return out
-            if why == NOT_PAUSED:
-                return _NOT_PAUSED_YET  # maybe the pause is still on its way
+            if why in (NOT_PAUSED, NOT_PAUSED_IN_SESSION):
+                return why, _NOT_PAUSED_YET  # maybe the pause is still on its way
             raise WeightSyncError(NOT_QUIESCED.format(why=why))
 
         budget = (timeout or self.receiver.pull_timeout_s) + SAFE_POINT_TIMEOUT_S
@@ -223,10 +228,10 @@ class RankWeightSync:
             deadline = time.monotonic() + PAUSE_GRACE_S
             while True:
                 out = self.on_scheduler(run, budget)
-                if out is not _NOT_PAUSED_YET:
+                if not (isinstance(out, tuple) and out[1] is _NOT_PAUSED_YET):
                     return out
                 if time.monotonic() > deadline:
-                    raise WeightSyncError(NOT_QUIESCED.format(why=NOT_PAUSED))
+                    raise WeightSyncError(NOT_QUIESCED.format(why=out[0]))
                 time.sleep(0.01)
         except BaseException as e:
             kind = failure_kind(e)
@@ -281,9 +286,38 @@ class RankWeightSync:
         if not self.safe_point.post(refresh):
             self._refresh_posted = False  # no loop to take it: the next pull walks
 
+    # -- begin, finalize, abort: on every rank of the group at once ------------ #
+    def on_group(self, op: str, *args):
+        """Run ``op`` (begin, finalize, abort) on every rank of this rank's
+        TP/PP group in the same iteration of their loops (a group call from
+        the group's first rank; on a group of one, at the safe point): these
+        run collectives, which must never meet the loop's own."""
+        if self.group is None:
+            return self.on_scheduler(lambda: self.group_op(op, args))
+        if not self.group.entry:
+            raise WeightSyncError(
+                f"{op} acts on every rank of a tensor/pipeline-parallel group at once: call it on "
+                f"the group's first rank (tp_rank 0, pp_rank 0), not on rank {self.state.rank}")
+        from sglang.srt.managers.scheduler_group_calls import GroupCallError
+
+        try:
+            return self.group.call(op, args, SAFE_POINT_TIMEOUT_S)
+        except GroupCallError as e:
+            raise WeightSyncError(f"{op} failed: {e}") from e
+
+    def group_op(self, op: str, args: tuple):
+        """One rank's part of a group call (on its scheduler thread)."""
+        if op == "begin":
+            self.port.begin_session()
+            return {"success": True}
+        if op == "finalize":
+            return self._finalize_here(*args)
+        if op == "abort":
+            return self._abort_here(*args)
+        raise WeightSyncError(f"unknown group call {op!r}")
+
     def begin(self) -> Dict[str, Any]:
-        self.on_scheduler(self.port.begin_session)
-        return {"success": True}
+        return self.on_group("begin")
 
     def finalize(self, weight_version: Optional[str] = None, flush_cache: bool = True,
                  walk_after: bool = True) -> Dict[str, Any]:
@@ -291,7 +325,7 @@ class RankWeightSync:
         queue the next update's walk now (False: the caller runs
         :meth:`prepare_next_pull` once its answer left, as the lane does)."""
         try:
-            out = self.on_scheduler(lambda: self._finalize_here(weight_version, flush_cache))
+            out = self.on_group("finalize", weight_version, flush_cache)
         except WeightSyncError:
             raise
         except BaseException:
@@ -320,17 +354,18 @@ class RankWeightSync:
                 "weight_version": self.port.weight_version(), "update": summary}
 
     def abort(self, reason: str) -> Dict[str, Any]:
-        def run():
-            status = self.state.abort(reason)  # first: the session's end is then a no-op
-            if self.port.session_open():
-                self.port.end_session()
-            self._update_ended()
-            return status
-
         try:
-            return self.on_scheduler(run)
+            return self.on_group("abort", reason)
         finally:
             self.prepare_next_pull()
+
+    def _abort_here(self, reason: str) -> Dict[str, Any]:
+        if self.port.session_open():
+            self.port.end_session(abort=reason)  # its listener drops the update
+        else:
+            self.state.abort(reason)  # (an update under a plain pause: this rank's alone)
+            self._update_ended()
+        return self.state.status()
 
     def writer_gone(self, writer, how: str) -> None:
         """``writer`` (a trainer process) went away (``how``) with the update it
@@ -341,9 +376,10 @@ class RankWeightSync:
         if kind is None:
             return
         logger.error("[RDT] %s; weights inconsistent until a complete update ends", reason)
-        if kind == "paused":
+        if kind == "paused":  # (no session: no collective, this rank's update alone)
             try:
-                self.abort(reason)
+                self.on_scheduler(lambda: self._abort_here(reason) if not self.port.session_open()
+                                  else None)
             except Exception as e:  # e.g. the loop is gone: the state says it already
                 logger.warning("[RDT] aborting the update after its writer left failed: %s", e)
 
@@ -379,11 +415,17 @@ class RankWeightSync:
     def on_weight_update_begin(self) -> None:
         self.state.begin()
 
-    def on_weight_update_end(self) -> Optional[str]:
+    def on_weight_update_end(self, aborted: Optional[str] = None) -> Optional[str]:
         """sglang's ``end_weight_update`` (miles' ``/end_weight_update``): the
-        update ends with a flush. Returns why it is not clean, or None."""
+        update ends with a flush, or (``aborted``: why) is dropped. Returns
+        why it is not clean, or None."""
         if not self.state.update_open:
             return None  # ended (finalize) or aborted already
+        if aborted is not None:
+            self.state.abort(aborted)
+            self._update_ended()
+            self.prepare_next_pull()
+            return None
         summary = self._end_update(flush=True)
         self.prepare_next_pull()
         return None if summary["consistent"] else summary["inconsistent_reason"]
@@ -394,6 +436,8 @@ class RankWeightSync:
             logger.info("[RDT] continue_generation ends the update made under the pause")
             self._end_update(flush=True)
             self.port.run_post_load()
+        elif self.state.wrote_weights and self.state.interrupted(CONTINUED_MID_UPDATE):
+            logger.error("[RDT] %s", CONTINUED_MID_UPDATE)
         self.receiver.release_gc()
 
     # -- reading ------------------------------------------------------------ #
@@ -402,7 +446,8 @@ class RankWeightSync:
                         transports=list(self.transports),
                         lane=self.lane.status() if self.lane is not None else {"open": False},
                         kept_mappings=same_node.stats(),
-                        event_loop=self.safe_point.state)
+                        event_loop=self.safe_point.state,
+                        group_entry=self.group is None or self.group.entry)
         if "SGLANG_IPC" in self.transports:
             try:
                 from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid

@@ -27,8 +27,9 @@ class SchedulerPort(Protocol):
     def begin_session(self) -> None:
         """Open the rank's weight-update session (raises on failure)."""
 
-    def end_session(self) -> Optional[str]:
-        """Close it: post-load processing, listeners. Returns what went wrong."""
+    def end_session(self, abort: Optional[str] = None) -> Optional[str]:
+        """Close it: post-load processing, listeners (``abort``: why the
+        update is dropped instead). Returns what went wrong."""
 
     def run_post_load(self) -> None:
         """The model's post-load processing (an update made without a session)."""
@@ -68,10 +69,11 @@ class SglangSchedulerPort:
         if not out.success:
             raise WeightSyncError(f"begin_weight_update failed: {out.message}")
 
-    def end_session(self) -> Optional[str]:
+    def end_session(self, abort: Optional[str] = None) -> Optional[str]:
         from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
 
-        out = self.scheduler.weight_updater.end_weight_update(EndWeightUpdateReqInput())
+        req = EndWeightUpdateReqInput(abort=abort is not None, abort_reason=abort)
+        out = self.scheduler.weight_updater.end_weight_update(req)
         return None if out.success else out.message
 
     def run_post_load(self) -> None:

@@ -4,12 +4,16 @@
 are another spelling of sglang's weight-update lifecycle and keep no update
 state of their own (each rank's :class:`~.update_state.RankUpdateState` does).
 ``begin`` takes the tokenizer manager's model-update writer lock (it waits
-for in-flight requests and holds new ones) then runs ``begin_weight_update``
-on every rank; ``end`` sets the weight version, runs ``end_weight_update``
-(post-load), flushes the cache and releases the lock, failing with a rank's
-message when the update was not clean; ``abort`` closes the session on every
-rank without a version bump. A session not ended within its lease is aborted
-by the engine itself, so a dead trainer cannot stop serving forever.
+for in-flight requests and holds new ones), pauses generation in place (the
+ranks accept pulls only while paused: nothing can run between two pulls)
+and runs ``begin_weight_update`` on every rank; ``end`` sets the weight
+version, runs ``end_weight_update`` (post-load), flushes the cache, continues
+generation and releases the lock, failing with a rank's message when the
+update was not clean; ``abort`` drops the update on every rank
+(``end_weight_update`` with ``abort``) without a version bump. All of it
+goes through sglang's control requests, which every rank of a TP/PP group
+handles in the same loop iteration. A session not ended within its lease is
+aborted by the engine itself, so a dead trainer cannot stop serving forever.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 from sglang.srt.ray.rdt.defaults import SESSION_DRAIN_TIMEOUT_S, SESSION_LEASE_S
 from sglang.srt.ray.rdt.errors import WeightSyncSessionError
-from sglang.srt.ray.rdt.ranks import call_ranks_async
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,7 @@ class WeightSyncSession:
         self._session_id: Optional[str] = None
         self._opened_at: Optional[float] = None
         self._lease_task: Optional[asyncio.Task] = None
+        self._paused_here = False  # this session paused generation (else the caller had)
 
     def status(self) -> Dict[str, Any]:
         return {"update_open": self._session_id is not None, "session_id": self._session_id,
@@ -68,8 +72,10 @@ class WeightSyncSession:
                     f"in-flight requests did not finish within {drain_timeout_s:.0f} s; "
                     "nothing was changed (raise drain_timeout_s or abort requests)") from None
             try:
+                await self._pause()
                 await self._lifecycle("begin_weight_update_communicator", BeginWeightUpdateReqInput())
             except BaseException:
+                await self._continue()
                 await lock.release_writer()
                 raise
             self._session_id = uuid.uuid4().hex[:12]
@@ -121,21 +127,44 @@ class WeightSyncSession:
                                          "was aborted (lease expired?)")
 
     async def _close(self, reason: str) -> None:
-        """Abort the update on every rank (each marks itself inconsistent if
+        """Drop the update on every rank (each marks itself inconsistent if
         it was touched), then release."""
+        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
+
         try:
-            await call_ranks_async(self.get_actors(), "abort_weight_update", reason)
+            await self._lifecycle("end_weight_update_communicator",
+                                  EndWeightUpdateReqInput(abort=True, abort_reason=reason))
         except BaseException as e:  # a rank is gone: it reports itself, if it can
             logger.error("[RDT] aborting the update on the ranks failed: %s", e)
         logger.error("[RDT] update session %s aborted: %s", self._session_id, reason)
         await self._release()
+
+    async def _pause(self) -> None:
+        """Pause generation in place unless the caller paused it already."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        async with self._tm.is_pause_cond:
+            paused = self._tm.is_pause
+        if not paused:
+            await self._tm.pause_generation(PauseGenerationReqInput(mode="in_place"))
+            self._paused_here = True
+
+    async def _continue(self) -> None:
+        if self._paused_here:
+            from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+            self._paused_here = False
+            await self._tm.continue_generation(ContinueGenerationReqInput())
 
     async def _release(self) -> None:
         task, self._lease_task = self._lease_task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
         self._session_id, self._opened_at = None, None
-        await self._tm.model_update_lock.release_writer()
+        try:
+            await self._continue()
+        finally:
+            await self._tm.model_update_lock.release_writer()
 
     async def _expire(self, session_id: str, lease_s: float) -> None:
         await asyncio.sleep(lease_s)

@@ -282,6 +282,15 @@ class RankUpdateState:
             self._mark_inconsistent(reason)
             return u.kind
 
+    def interrupted(self, reason: str) -> bool:
+        """Something let generation see the update in progress (``reason``):
+        if it wrote weights, they are inconsistent until a clean update ends."""
+        with self._lock:
+            if self._update is None or not self._update.touched:
+                return False
+            self._mark_inconsistent(reason)
+            return True
+
     def abort(self, reason: str) -> Dict[str, Any]:
         """Close the update without ending it; the weights are inconsistent if
         any pull of it touched them."""

@@ -137,7 +137,7 @@ class WeightSyncClient:
         self.lease_s = float(lease_s)
         self.call_timeout_s = float(call_timeout_s)
         self.transport, self.export = transport, export
-        self.session = make_session(self.url, engine, self._call_all, self.lease_s, self.call_timeout_s)
+        self.session = make_session(self.url, engine, self._call_entries, self.lease_s, self.call_timeout_s)
         if sender not in (None, "local"):
             raise ValueError(f"sender must be 'local' (the default): the bucket slots live in the "
                              f"trainer's process; got {sender!r}")
@@ -193,9 +193,17 @@ class WeightSyncClient:
         """Wait for ``[(rank, call)]``; one :class:`WeightSyncRankError` if any failed."""
         return gather(calls, phase, timeout_s, lambda rank: self.ranks[rank].name)
 
-    def _call_all(self, method: str, *args) -> List[Any]:
+    def _call_entries(self, method: str, *args) -> List[Any]:
+        """``method`` on the first rank of each TP/PP group (finalize and
+        abort act on the whole group at once)."""
+        statuses = self._statuses if self._statuses is not None else self.status()
+        return self._call_all(method, *args, ranks=[r for r in self.ranks
+                                                     if statuses[r.index].get("group_entry", True)])
+
+    def _call_all(self, method: str, *args, ranks=None) -> List[Any]:
+        ranks = self.ranks if ranks is None else ranks
         calls = []
-        for r in self.ranks:
+        for r in ranks:
             link = self.lanes.link(r.index) if method in _LANE_OPS else None
             if link is not None:
                 op, kwargs = _LANE_OPS[method]
@@ -203,7 +211,7 @@ class WeightSyncClient:
             else:
                 calls.append((r.index, getattr(r.actor, method).remote(*args)))
         out = self.gather(calls, method, self.call_timeout_s)
-        return [out[r.index] for r in self.ranks]
+        return [out[r.index] for r in ranks]
 
     def register(self, named_tensors: Optional[Mapping[str, torch.Tensor]] = None) -> List[Dict[str, Any]]:
         """Pin every rank's parameters with NIXL once, open the call lanes and

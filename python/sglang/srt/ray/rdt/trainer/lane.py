@@ -256,16 +256,6 @@ class Lanes:
         call.defines_source = 0 if known else kept
         return call
 
-    def hold(self, rank: int) -> None:
-        """Tell ``rank`` that this update's one pull is being described: its
-        scheduler waits at its safe point for it (briefly; no answer)."""
-        link = self.link(rank)
-        if link is not None:
-            try:
-                link.send("hold", {})
-            except RankGone:
-                pass  # (the pull that follows says so)
-
     def defined(self, rank: int, call: LaneCall) -> None:
         """``call`` (a pull) succeeded: its layout is known on that lane now."""
         link = self.links.get(rank)

@@ -3,7 +3,8 @@
 :class:`HttpSession` (``POST /weight_sync/{begin,end,abort}``),
 :class:`EngineSession` (an in-process ``RayEngine``) and
 :class:`CallerPausedSession` (the caller paused generation itself; the end is
-``finalize_weight_update`` on every rank, the abort ``abort_weight_update``).
+``finalize_weight_update`` on the first rank of every TP/PP group, which ends
+it on the whole group, the abort ``abort_weight_update`` likewise).
 """
 
 from __future__ import annotations

@@ -98,11 +98,6 @@ class Update:
         self.route = c.route()
         self.wait_s = (c.pull_timeout_s or PULL_TIMEOUT_S) + PULL_WAIT_MARGIN_S
         self.stream = buckets.is_stream(named)
-        if (not self.stream and len(c.ranks) == 1 and 0 in self.route.lanes
-                and isinstance(c.session, CallerPausedSession)):
-            # (likely one pull, see ends_with_pull): the rank's scheduler
-            # waits for it while the tensors are looked at and described
-            c.lanes.hold(0)
         payloads, self.rank_groups = buckets.split_payloads(named, len(c.ranks))
         self.sent = [set() for _ in self.rank_groups]
         self._tag = next(c.update_tags)
@@ -130,7 +125,9 @@ class Update:
             self._transfer(steps)
             self._finish()
         except BaseException as e:
-            self._settle()
+            still = self._settle()
+            if still:
+                e.add_note(still)
             if self.session_open:
                 self._abort(e)
             raise
@@ -150,7 +147,7 @@ class Update:
             step = self._next(steps)
             if step is None:
                 break
-            self.flights.append(self._send(step))
+            self._send(step)
         while self.flights:
             self._land(self.flights.popleft())
 
@@ -173,7 +170,9 @@ class Update:
             self._check(step)
         return step
 
-    def _send(self, step) -> Flight:
+    def _send(self, step) -> None:
+        """Make step ``step`` readable and ask its ranks to pull it (in
+        flight from here on: a failure settles whatever was sent)."""
         c = self.client
         index = len(self.steps_done) + len(self.flights)
         if self.t_first is None:
@@ -183,6 +182,7 @@ class Update:
             flight = self._describe(index, step)
         else:
             flight = self._fill(index, step)
+        self.flights.append(flight)
         flight.fill_seconds = time.perf_counter() - t0
         if not self.session_open:
             t1 = time.perf_counter()
@@ -208,7 +208,6 @@ class Update:
                 flight.calls.append((r, call))
             if self.stream and self.strict:  # (a mapping was checked whole before)
                 self.sent[rg].update(group.names)
-        return flight
 
     def _describe(self, index: int, step) -> Flight:
         """Direct: describe the trainer's own tensors where they are."""
@@ -305,14 +304,30 @@ class Update:
         c.session.end(self.session_id, self.version, self.flush_cache)
         self.end_seconds = time.perf_counter() - t0
 
-    def _settle(self) -> None:
-        """After a failure: wait (bounded) for pulls still reading; free the
-        slots whose pulls are over (a slot still read stays reserved until
-        :meth:`WeightSyncClient` reclaims it)."""
+    def _settle(self) -> Optional[str]:
+        """After a failure: wait for every pull still reading and every copy
+        a rank answered before it finished (each bounded by the pulls' own
+        limit), so the caller may free its tensors once ``update()`` raised;
+        free the slots whose pulls are over (a slot still read stays reserved
+        until :meth:`WeightSyncClient` reclaims it). Returns what may still
+        read the trainer's memory, if anything."""
         c = self.client
         deadline = time.monotonic() + self.wait_s  # one bound for every flight
+        lanes, still = set(), []
         for flight in self.flights:
             settle(flight.calls, max(0.0, deadline - time.monotonic()))
+            lanes.update(r for r, call in flight.calls if isinstance(call, LaneCall))
+            if unfinished(flight.calls):
+                still.append(flight.index + 1)
+        for r in sorted(lanes):  # a fenced copy may run on after its pull answered
+            link = c.lanes.link(r)
+            if link is not None and link.fence is not None:
+                try:
+                    link.wait_fence(deadline)
+                except Exception as e:
+                    logger.error("[RDT] %s: its last copy could not be waited for: %s", c.labels[r], e)
+                    still.append(f"the copy of {c.labels[r]}")
+        for flight in self.flights:
             if flight.slot is None:
                 continue
             if unfinished(flight.calls):
@@ -325,6 +340,10 @@ class Update:
             except WeightSyncError as e:  # e.g. the fill itself failed before marking
                 logger.debug("[RDT] release of slot %d after failure: %s", flight.slot, e)
         self.flights.clear()
+        if still:
+            return (f"pulls of steps {still} did not end within {self.wait_s:.0f} s: those ranks "
+                    "may still read this trainer's memory")
+        return None
 
     def _abort(self, e: BaseException) -> None:
         """Abort the engine's session after ``e``; say on ``e`` if that failed too."""

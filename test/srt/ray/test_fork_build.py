@@ -30,9 +30,51 @@ def _copy_patches(tmp_path: Path) -> Path:
     return dst
 
 
+# The upstream wheels PyPI publishes for sglang 0.5.23 on Linux x86_64, one per
+# interpreter make install accepts, with their sha256.
+UPSTREAM_WHEELS = {
+    "cp311": (
+        "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl",
+        "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937",
+    ),
+    "cp312": (
+        "sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl",
+        "8d257a319395b322bb1be327d05e5528859358153c8563b04c0a4a3c8af164b6",
+    ),
+}
+RUNNING_TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
+
+
+def test_config_pins_exactly_the_supported_wheels(cfg):
+    assert cfg.python_tag == RUNNING_TAG
+    assert cfg.base_wheels == dict(UPSTREAM_WHEELS.values())
+
+
+@pytest.mark.parametrize("tag", sorted(UPSTREAM_WHEELS))
+def test_base_wheel_is_chosen_by_interpreter(cfg, tag):
+    cfg.python_tag = tag
+    name, sha = UPSTREAM_WHEELS[tag]
+    assert fork_build.base_wheel_name(cfg) == name
+    assert cfg.base_wheels[name] == sha
+
+
+@pytest.mark.parametrize("tag", ["cp310", "cp313"])
+def test_unsupported_interpreter_has_no_wheel(cfg, tag):
+    cfg.python_tag = tag
+    with pytest.raises(fork_build.ForkBuildError, match=f"no pinned sglang 0.5.23 wheel for {tag}"):
+        fork_build.base_wheel_name(cfg)
+
+
+def test_fetched_wheel_is_the_running_interpreters_and_matches_its_pin(cfg):
+    path = fork_build.fetch_base_wheel(cfg)
+    name, sha = UPSTREAM_WHEELS[RUNNING_TAG]
+    assert path.name == name
+    assert fork_build._sha256(path) == sha
+
+
 def test_series_applies_and_version_is_local(cfg, tmp_path):
     out = fork_build.build(cfg, tmp_path, log=lambda m: None)
-    assert out.name.startswith(f"sglang-{cfg.base_version}+{cfg.local_version}-")
+    assert out.name.startswith(f"sglang-{cfg.base_version}+{cfg.local_version}-{RUNNING_TAG}-{RUNNING_TAG}-")
     with zipfile.ZipFile(out) as zf:
         names = set(zf.namelist())
         meta = zf.read(f"sglang-{cfg.version}.dist-info/METADATA").decode()
@@ -86,13 +128,15 @@ def test_module_overwriting_upstream_file_fails(cfg, tmp_path):
         fork_build.build(cfg, tmp_path / "out", log=lambda m: None)
 
 
-def test_wrong_sha256_is_refused(cfg, tmp_path):
-    name = fork_build.base_wheel_name(cfg)
+@pytest.mark.parametrize("tag", sorted(UPSTREAM_WHEELS))
+def test_wrong_sha256_is_refused(cfg, tmp_path, tag):
+    cfg.python_tag = tag
+    name, sha = UPSTREAM_WHEELS[tag]
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / name).write_bytes(b"not the wheel")
     cfg.cache_dir = cache
-    with pytest.raises(fork_build.ForkBuildError, match="does not match the pinned"):
+    with pytest.raises(fork_build.ForkBuildError, match=f"{name}: sha256 .* does not match the pinned {sha}"):
         fork_build.fetch_base_wheel(cfg)
 
 

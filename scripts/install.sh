@@ -5,13 +5,46 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3.11}
 VENV=${VENV:-.venv}
+SUPPORTED="Python 3.11 or 3.12"
 RAY_VERSION=2.60.0
 NIXL_VERSION=1.5.1   # nixl-cu13: matches the torch 2.14.1+cu130 sglang 0.5.23 pins
 
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PYTHON" -m venv "$VENV"
+die() { echo "install.sh: $*" >&2; exit 1; }
+# "3.11" for an interpreter that runs; fails for one that does not (a name not on
+# PATH, or a pyenv shim for a version pyenv has not selected).
+py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'; }
+supported() { [ "$1" = 3.11 ] || [ "$1" = 3.12 ]; }
+
+# The interpreter of the venv: $PYTHON if set, else python3.11, else python3.12.
+# An existing venv is reused as it is unless $PYTHON asks for another version.
+if [ -z "${PYTHON:-}" ] && [ -x "$VENV/bin/python" ]; then
+  py_ver=$(py_version "$VENV/bin/python" 2>/dev/null) \
+    || die "$VENV/bin/python does not run; remove $VENV and run make install again"
+  supported "$py_ver" || die "$VENV is Python $py_ver; the fork needs $SUPPORTED: remove $VENV"
+else
+  if [ -n "${PYTHON:-}" ]; then
+    py_ver=$(py_version "$PYTHON" 2>&1) \
+      || die "PYTHON=$PYTHON does not run (${py_ver%%$'\n'*}); the fork needs $SUPPORTED"
+    supported "$py_ver" || die "PYTHON=$PYTHON is Python $py_ver; the fork needs $SUPPORTED"
+  else
+    for candidate in python3.11 python3.12; do
+      if py_ver=$(py_version "$candidate" 2>/dev/null) && supported "$py_ver"; then
+        PYTHON=$candidate
+        break
+      fi
+    done
+    [ -n "${PYTHON:-}" ] || die "neither python3.11 nor python3.12 runs here; the fork needs" \
+      "$SUPPORTED (install one, or set PYTHON=/path/to/python3.11 or python3.12)"
+  fi
+  if [ -x "$VENV/bin/python" ]; then
+    have=$(py_version "$VENV/bin/python" 2>/dev/null || echo "broken")
+    [ "$have" = "$py_ver" ] \
+      || die "$VENV is Python $have but PYTHON=$PYTHON is $py_ver: remove $VENV to switch"
+  else
+    echo "install.sh: creating $VENV with $PYTHON (Python $py_ver)"
+    "$PYTHON" -m venv "$VENV"
+  fi
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 

@@ -179,28 +179,33 @@ def slot_bytes(sender, slot, n):
     return sender._slots[slot][:n].view(torch.float32)
 
 
+def _groups(*tensors):
+    """One group (``buckets.Group``, looked at) per tensor."""
+    return [buckets.whole({"t": t}) for t in tensors]
+
+
 def test_sender_refuses_to_overwrite_a_slot_until_released():
     sender = BucketSender("cpu", register=False)
     assert sender.prepare(4096) == {"slot_bytes": 4096, "slots": 2}
     a, b = torch.arange(8, dtype=torch.float32), torch.full((8,), 7.0)
-    assert sender.fill(0, "u1/s0", [[0]], [[a]], None, False) == [(None, None)]
+    assert sender.fill(0, "u1/s0", [[0]], _groups(a), None, False) == [(None, None)]
     assert torch.equal(slot_bytes(sender, 0, 32), a)
 
     with pytest.raises(BucketInFlightError, match="still being read"):
-        sender.fill(0, "u1/s2", [[0]], [[b]], None, False)
+        sender.fill(0, "u1/s2", [[0]], _groups(b), None, False)
     assert torch.equal(slot_bytes(sender, 0, 32), a)  # nothing was written
     with pytest.raises(BucketSenderError, match="held by 'u1/s0'"):
         sender.release(0, "u1/s2")  # a stale token frees nothing
     with pytest.raises(BucketInFlightError, match="cannot grow"):
         sender.prepare(1 << 20)  # no re-allocation under a reader either
 
-    sender.fill(1, "u1/s1", [[0]], [[b]], None, False)  # the other slot is free
+    sender.fill(1, "u1/s1", [[0]], _groups(b), None, False)  # the other slot is free
     sender.release(0, "u1/s0")
-    sender.fill(0, "u1/s2", [[0]], [[b]], None, False)
+    sender.fill(0, "u1/s2", [[0]], _groups(b), None, False)
     assert torch.equal(slot_bytes(sender, 0, 32), b)
     assert sender.in_flight() == ["u1/s2", "u1/s1"]
     with pytest.raises(BucketSenderError, match="does not fit the slot"):
-        sender.release(1, "u1/s1") or sender.fill(1, "u1/s3", [[4090]], [[b]], None, False)
+        sender.release(1, "u1/s1") or sender.fill(1, "u1/s3", [[4090]], _groups(b), None, False)
 
 
 def test_sender_keeps_its_slots_and_grows_only_when_asked_for_more():
@@ -214,7 +219,7 @@ def test_sender_keeps_its_slots_and_grows_only_when_asked_for_more():
     assert sender.slot_bytes == 8192 and sender.stats["allocations"] == 4
     assert sender.close() == 2
     with pytest.raises(BucketSenderError, match="closed"):
-        sender.fill(0, "t", [[0]], [[torch.zeros(2)]], None, False)
+        sender.fill(0, "t", [[0]], _groups(torch.zeros(2)), None, False)
 
 
 # --------------------------------------------------------------------------- #
@@ -396,7 +401,7 @@ def test_direct_reads_the_callers_tensors_in_place_and_holds_nothing_after(calm)
             "direct", "cma", len(fresh), model_bytes)
         assert stats.lane_calls == 2 * len(stats.buckets)
         assert 0 < stats.held_bytes <= model_bytes
-        assert stats.outside_pool_bytes == 0  # host memory: no staging pool to be outside of
+        assert stats.gathered_bytes == 0  # host memory: read where it is
     for log in logs(toy):
         assert log["version"] == "direct-3"
     st = toy.ray.get(toy.ranks[0].get_weight_sync_status.remote())

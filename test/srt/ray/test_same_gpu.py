@@ -174,7 +174,7 @@ class StubLanes:
         self.reachable, self.enabled = set(reachable), enabled
         self.opened_with = None
 
-    def open(self, ranks, statuses, call_timeout_s, device=None):
+    def open(self, ranks, statuses, call_timeout_s, device=None, allocating=None):
         if self.enabled and self.opened_with is None:
             self.opened_with = [st["ipc_reach"]["node_id"] for st in statuses]
 

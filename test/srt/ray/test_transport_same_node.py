@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import wait_until
 from sglang.srt.ray.rdt.transport import cma, cuda_driver, cuda_ipc, same_node
 from sglang.srt.ray.rdt.transport.cma import (
     CmaError,
@@ -325,8 +326,8 @@ def fake_cuda(monkeypatch):
     assert drv.contexts == [], "a context pushed was not popped"
 
 
-def _export(exporter, tensors, ordinal, node_id, check=None):
-    return exporter.export(*addresses(tensors), ordinal, node_id, check)
+def _export(exporter, tensors, ordinal, node_id):
+    return exporter.export(*addresses(tensors), ordinal, node_id)
 
 
 def _view(storage, offset, nbytes):
@@ -338,158 +339,121 @@ def _fill(t, seed):
 
 
 # -- sender ------------------------------------------------------------------ #
-def test_exporter_asks_the_driver_once_per_segment_and_finds_it_again_by_address(fake_cuda):
-    drv = fake_cuda
+class Frees:
+    """The device's count of memory given back (``cuda_ipc.device_frees``)."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        monkeypatch.setattr(cuda_ipc, "device_frees", lambda ordinal: self.n)
+
+
+def _pool(*storages):
+    """A kept-memory source listing ``storages`` as segments (a staging pool)."""
+    return lambda: [(s.data_ptr(), s.numel()) for s in storages]
+
+
+def test_tensors_in_kept_memory_are_described_by_their_segments_with_a_handle_asked_once(fake_cuda, monkeypatch):
+    drv, frees = fake_cuda, Frees(monkeypatch)
     a, b = drv.alloc(4096), drv.alloc(8192)
+    exporter = CudaIpcExporter("sender")
+    exporter.add_source(1, _pool(a, b))
     tensors = [_view(a, 0, 1000), _view(a, 1024, 2000), _view(b, 512, 4096)]
-    exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
     part = _export(exporter, tensors, 1, "node-a")
     assert (part.sender, part.pid, part.node_id, part.device_uuid) == ("sender", os.getpid(), "node-a",
                                                                       SENDER_GPU)
-    assert part.segments == sorted([(a.data_ptr(), 4096, drv.handle_of(a), False),
-                                    (b.data_ptr(), 8192, drv.handle_of(b), False)])
+    assert part.segments == sorted([(a.data_ptr(), 4096, drv.handle_of(a)),
+                                    (b.data_ptr(), 8192, drv.handle_of(b))])
     bases = np.array([s[0] for s in part.segments])
     assert (bases[part.seg] + part.offset).tolist() == [t.data_ptr() for t in tensors]
-    assert part.nbytes.tolist() == [1000, 2000, 4096]
+    assert part.nbytes.tolist() == [1000, 2000, 4096] and part.kept_id > 0
     assert drv.calls["ipc_handle"] == 2 and drv.calls["push"] == drv.calls["pop"] == 1
 
-    # The same tensors again, and new tensors in the same segments: found by
-    # address; each segment's allocation id is checked, no handle asked.
+    # The same places again (new tensors from the pool): the same description,
+    # nobody asked; other places in the same segments: found in the table.
     drv.calls.clear()
-    _export(exporter, tensors, 1, "node-a")
+    assert _export(exporter, tensors, 1, "node-a") is part
     again = _export(exporter, [_view(b, 0, 16), _view(a, 4000, 96)], 1, "node-a")
-    assert drv.calls["address_range"] == drv.calls["ipc_handle"] == 0
-    assert drv.calls["buffer_id"] == 4  # 2 segments x 2 exports
-    assert [s[0] for s in again.segments] == sorted([a.data_ptr(), b.data_ptr()])
+    assert not drv.calls and [s[0] for s in again.segments] == sorted([a.data_ptr(), b.data_ptr()])
 
 
-def test_a_segment_freed_and_allocated_again_gets_a_new_handle(fake_cuda):
-    drv = fake_cuda
+def test_a_tensor_outside_kept_memory_is_refused_by_index(fake_cuda, monkeypatch):
+    """One rule: anything not kept is gathered into kept memory by the trainer;
+    the exporter never describes it (nothing a rank would map per segment)."""
+    drv, frees = fake_cuda, Frees(monkeypatch)
+    pool, loose = drv.alloc(8192), drv.alloc(4096)
+    exporter = CudaIpcExporter("sender")
+    exporter.add_source(1, _pool(pool))
+    with pytest.raises(cuda_ipc.NotKept, match="tensor 1 does not lie in kept memory") as e:
+        _export(exporter, [_view(pool, 0, 64), _view(loose, 0, 64), _view(pool, 64, 64)], 1, "node-a")
+    assert e.value.index == 1
+    with pytest.raises(cuda_ipc.NotKept):  # straddling the pool's end
+        exporter.export(np.array([pool.data_ptr() + 8000]), np.array([400]), 1, "node-a")
+    mask = exporter.kept_mask(*addresses([_view(loose, 0, 8), _view(pool, 8, 8)]), 1)
+    assert mask.tolist() == [False, True]
+    assert drv.calls["ipc_handle"] == 1  # only the pool's segment was ever asked for
+
+
+def test_a_pool_that_grew_is_looked_at_again_and_a_withdrawn_one_is_not_kept(fake_cuda, monkeypatch):
+    drv, frees = fake_cuda, Frees(monkeypatch)
+    first, second = drv.alloc(4096), drv.alloc(4096)
+    segments = [first]
+    source = lambda: [(s.data_ptr(), s.numel()) for s in segments]  # noqa: E731
+    exporter = CudaIpcExporter("sender")
+    exporter.add_source(1, source)
+    _export(exporter, [_view(first, 0, 64)], 1, "node-a")
+    segments.append(second)  # the pool allocated another segment
+    part = _export(exporter, [_view(second, 0, 64)], 1, "node-a")
+    assert part.segments == [(second.data_ptr(), 4096, drv.handle_of(second))]
+    exporter.remove_source(1, source)  # the pool is being freed
+    with pytest.raises(cuda_ipc.NotKept):
+        _export(exporter, [_view(first, 0, 64)], 1, "node-a")
+
+
+def test_kept_memory_is_checked_again_after_the_device_freed_memory(fake_cuda, monkeypatch):
+    """A live pool's segments are not freed, but the table is not trusted
+    forever: once the device gave memory back, every kept segment's
+    allocation id is compared, and one allocated anew gets a new handle."""
+    drv, frees = fake_cuda, Frees(monkeypatch)
     a, b = drv.alloc(4096), drv.alloc(4096)
-    exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
-    first = _export(exporter, [_view(a, 0, 64), _view(b, 0, 64)], 1, "node-a")
-    old = dict((s[0], s[2]) for s in first.segments)
+    exporter = CudaIpcExporter("sender")
+    exporter.add_source(1, _pool(a, b))
+    tensors = [_view(a, 0, 64), _view(b, 0, 64)]
+    first = _export(exporter, tensors, 1, "node-a")
+    drv.asked.clear()
+    assert _export(exporter, tensors, 1, "node-a") is first and not drv.asked  # nothing was freed
+    frees.n += 1  # e.g. the trainer emptied PyTorch's cache: nothing of the pool changed
+    assert _export(exporter, tensors, 1, "node-a") is first
+    assert drv.asked == Counter({a.data_ptr(): 1, b.data_ptr(): 1})
     drv.reallocate(a)  # same address, same size: another allocation
+    frees.n += 1
     drv.calls.clear()
-    second = _export(exporter, [_view(a, 0, 64), _view(b, 0, 64)], 1, "node-a")
-    new = dict((s[0], s[2]) for s in second.segments)
-    assert new[a.data_ptr()] == drv.handle_of(a) != old[a.data_ptr()]
-    assert new[b.data_ptr()] == old[b.data_ptr()]
+    second = _export(exporter, tensors, 1, "node-a")
+    handles = {s[0]: s[2] for s in second.segments}
+    assert second is not first and handles[a.data_ptr()] == drv.handle_of(a) != first.segments[0][2]
     assert drv.calls["ipc_handle"] == 1  # only the re-allocated segment's
 
 
-def test_a_larger_segment_at_a_known_address_replaces_what_it_overlaps(fake_cuda):
-    drv = fake_cuda
-    big = torch.zeros(16384, dtype=torch.uint8)
-    small = big[:4096]  # a 4 KiB segment at the start of what becomes a 16 KiB one
-    drv.segments[small.data_ptr()] = [4096, next(drv.ids), small]
-    exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
-    _export(exporter, [_view(small, 0, 64)], 1, "node-a")
-    # The allocator gave the address range a bigger segment since: a tensor
-    # past the old end is looked up, and only the new segment is exported.
-    base = small.data_ptr()
-    drv.segments = {base: [16384, next(drv.ids), big]}
-    part = _export(exporter, [_view(big, 8192, 256)], 1, "node-a")
-    assert part.segments == [(base, 16384, drv.handle(base), False)]
-    assert part.offset.tolist() == [8192]
-
-
-def test_kept_segments_are_not_checked_again_until_forgotten(fake_cuda):
-    drv = fake_cuda
-    pool, loose = drv.alloc(4096), drv.alloc(4096)
-    keeper_asked = []
-
-    def holds(base):
-        keeper_asked.append(base)
-        return base == pool.data_ptr()
-
-    keepers = {1: holds}  # GPU 1 has a staging pool (same_node.set_keeper)
-    exporter = CudaIpcExporter("sender", keepers.get)
-    tensors = [_view(pool, 0, 64), _view(loose, 0, 64)]
-    part = _export(exporter, tensors, 1, "node-a")
-    assert {s[0]: s[3] for s in part.segments} == {pool.data_ptr(): True, loose.data_ptr(): False}
-    assert sorted(keeper_asked) == sorted([pool.data_ptr(), loose.data_ptr()])  # once per segment
-    drv.asked.clear()
-    for _ in range(3):
-        _export(exporter, tensors, 1, "node-a")
-    assert drv.asked == Counter({loose.data_ptr(): 3})  # the kept one is never re-checked
-    assert len(keeper_asked) == 2
-
-    # The pool is withdrawn (it is being freed): its segment is looked up
-    # afresh, is no longer kept, and is checked at every export from then on.
-    keepers.clear()
-    exporter.forget_kept(1)
-    drv.calls.clear()
-    part = _export(exporter, tensors, 1, "node-a")
-    assert drv.calls["ipc_handle"] == 1 and all(not s[3] for s in part.segments)
-    drv.asked.clear()
-    _export(exporter, tensors, 1, "node-a")
-    assert drv.asked == Counter({loose.data_ptr(): 1, pool.data_ptr(): 1})
-
-
-def test_tensors_wholly_in_kept_memory_at_known_addresses_are_described_without_the_driver(fake_cuda):
-    """New tensors at the addresses of the last ones (a staging pool hands its
-    blocks out again) in kept segments: the description is the one made
-    before, asked of nobody; not so when a tensor sits in memory not kept, has
-    another size or address, or once the kept memory is withdrawn."""
-    drv = fake_cuda
-    pool, loose = drv.alloc(8192), drv.alloc(4096)
-    keepers = {1: lambda base: base == pool.data_ptr()}
-    exporter = CudaIpcExporter("sender", keepers.get)
-    first = _export(exporter, [_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
-    drv.calls.clear()
-    drv.asked.clear()
-    again = _export(exporter, [_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
-    assert again is first and not drv.calls and not drv.asked
-    other = _export(exporter, [_view(pool, 0, 64), _view(pool, 4096, 16)], 1, "node-a")  # another size
-    assert other is not first and list(other.nbytes) == [64, 16]
-    mixed = [_view(pool, 0, 64), _view(loose, 0, 64)]
-    assert _export(exporter, mixed, 1, "node-a") is not _export(exporter, mixed, 1, "node-a")
-    keepers.clear()
-    exporter.forget_kept(1)
-    drv.calls.clear()
-    fresh = _export(exporter, [_view(pool, 0, 64), _view(pool, 4096, 32)], 1, "node-a")
-    assert fresh is not first and drv.calls["ipc_handle"] == 1 and not fresh.segments[0][3]
-
-
-def test_the_bytes_outside_kept_memory_are_those_of_tensors_in_segments_not_kept(fake_cuda):
-    """What a trainer's update reports as read from outside its staging pool
-    (``UpdateStats.outside_pool_bytes``): per tensor, by its segment."""
-    drv = fake_cuda
-    pool, loose = drv.alloc(8192), drv.alloc(4096)
-    exporter = CudaIpcExporter("sender", {1: lambda base: base == pool.data_ptr()}.get)
-
-    def unkept(tensors):
-        meta = SglangIpcTransportMetadata(tensor_meta=[], tensor_device="cuda",
-                                          ipc=_export(exporter, tensors, 1, "node-a"))
-        return same_node.unkept_bytes(meta)
-
-    assert unkept([_view(pool, 0, 64), _view(pool, 4096, 32)]) == 0
-    assert unkept([_view(loose, 1024, 28), _view(pool, 0, 64), _view(loose, 0, 100)]) == 128
-    assert unkept([_view(loose, 0, 4096)]) == 4096
-    assert same_node.unkept_bytes(SglangIpcTransportMetadata(tensor_meta=[], tensor_device="cpu")) == 0
-
-
-def test_exporter_gives_up_on_segments_that_keep_changing(fake_cuda, monkeypatch):
-    drv = fake_cuda
-    a = drv.alloc(4096)
-    ids = itertools.count(100)
-    monkeypatch.setattr(drv, "buffer_id", lambda base: next(ids))  # a new allocation every look
-    exporter = CudaIpcExporter("sender", keeper=lambda ordinal: None)
-    with pytest.raises(CudaDriverError, match="keep changing"):
-        _export(exporter, [_view(a, 0, 64)], 1, "node-a")
+def test_a_buffer_registered_with_nixl_is_kept_memory(fake_cuda, monkeypatch):
+    """miles' bucket: registered once, put every round; a rank maps it once."""
+    drv, frees = fake_cuda, Frees(monkeypatch)
+    seg = drv.alloc(8192)
+    bucket = _view(seg, 1024, 4096)  # a block inside the allocator's segment
+    exporter = CudaIpcExporter("sender")
+    exporter.keep_registered(1, bucket.data_ptr())
+    part = _export(exporter, [_view(bucket, 0, 100), _view(bucket, 128, 100)], 1, "node-a")
+    assert part.segments == [(seg.data_ptr(), 8192, drv.handle_of(seg))]
+    assert part.offset.tolist() == [1024, 1152] and drv.calls["address_range"] == 1
 
 
 # -- reader ------------------------------------------------------------------ #
-def _part(drv, storages, tensors, kept=(), sender="sender", pid=None, gpu=SENDER_GPU):
-    """An IpcPart of ``tensors`` (views of ``storages``) as a sender would describe them."""
+def _part(drv, storages, tensors, sender="sender", pid=None, gpu=SENDER_GPU):
+    """An IpcPart of ``tensors`` (views of ``storages``, kept memory) as a sender describes them."""
     bases = [s.data_ptr() for s in storages]
     seg = [next(i for i, s in enumerate(storages)
                 if s.data_ptr() <= t.data_ptr() < s.data_ptr() + s.numel()) for t in tensors]
     return IpcPart(
         node_id="node-a", sender=sender, pid=os.getpid() if pid is None else pid, device_uuid=gpu,
-        segments=[(b, s.numel(), drv.handle_of(s), any(s is k for k in kept))
-                  for b, s in zip(bases, storages)],
+        segments=[(b, s.numel(), drv.handle_of(s)) for b, s in zip(bases, storages)],
         seg=np.array(seg, np.int64),
         offset=np.array([t.data_ptr() - bases[i] for t, i in zip(tensors, seg)], np.int64),
         nbytes=np.array([t.nbytes for t in tensors], np.int64))
@@ -498,12 +462,12 @@ def _part(drv, storages, tensors, kept=(), sender="sender", pid=None, gpu=SENDER
 GPU0 = torch.device("cuda", 0)
 
 
-def _sender_tensors(drv, kept=True, seed=1):
+def _sender_tensors(drv, seed=1):
     seg = drv.alloc(8192)
     tensors = [_view(seg, 0, 3000), _view(seg, 4096, 1000)]
     for i, t in enumerate(tensors):
         _fill(t, seed + i)
-    return seg, tensors, _part(drv, [seg], tensors, kept=[seg] if kept else [])
+    return seg, tensors, _part(drv, [seg], tensors)
 
 
 def _targets(tensors):
@@ -512,59 +476,44 @@ def _targets(tensors):
 
 def test_a_kept_segment_is_mapped_once_and_read_again_from_the_same_mapping(fake_cuda):
     drv = fake_cuda
-    seg, tensors, part = _sender_tensors(drv, kept=True)
+    seg, tensors, part = _sender_tensors(drv)
     reader = CudaIpcReader()
     targets = _targets(tensors)
     first = reader.read(part, targets, GPU0)
-    assert (first.opened, first.reused, first.closed, first.method) == (1, 0, 0, "batch")
+    assert (first.opened, first.reused, first.method) == (1, 0, "batch")
     assert all(torch.equal(d, s) for d, s in zip(targets.tensors, tensors))
     for seed in (7, 9):  # the trainer writes new bytes into its pool
         for i, t in enumerate(tensors):
             _fill(t, seed + i)
         res = reader.read(part, targets, GPU0)
-        assert (res.opened, res.reused, res.closed) == (0, 1, 0)
+        assert (res.opened, res.reused) == (0, 1)
         assert all(torch.equal(d, s) for d, s in zip(targets.tensors, tensors))
     assert drv.calls["ipc_open"] == 1 and drv.calls["ipc_close"] == 0
     assert reader.stats() == {"kept_mappings": 1, "kept_bytes": 8192, "kept_senders": 1}
     assert (res.path, res.tensors, res.bytes) == ("cuda_ipc", 2, 4000)
 
 
-def test_a_segment_not_kept_is_closed_right_after_its_copy(fake_cuda):
+def test_a_failed_copy_leaves_the_mapping_kept_for_the_next_read(fake_cuda):
     drv = fake_cuda
-    seg, tensors, part = _sender_tensors(drv, kept=False)
-    reader = CudaIpcReader()
-    for _ in range(2):
-        drv.events.clear()
-        targets = _targets(tensors)
-        res = reader.read(part, targets, GPU0)
-        assert (res.opened, res.reused, res.closed) == (1, 0, 1)
-        assert drv.events == [("open", seg.data_ptr()), ("copy", "batch"), ("sync",),
-                              ("close", seg.data_ptr())]
-        assert all(torch.equal(d, s) for d, s in zip(targets.tensors, tensors))
-    assert drv.open == {} and reader.stats()["kept_mappings"] == 0
-
-
-def test_a_failed_copy_still_closes_its_mappings_once_the_stream_is_done(fake_cuda):
-    drv = fake_cuda
-    seg, tensors, part = _sender_tensors(drv, kept=False)
+    seg, tensors, part = _sender_tensors(drv)
     drv.copy_error = RuntimeError("an illegal address was encountered")
+    reader = CudaIpcReader()
     with pytest.raises(RuntimeError, match="illegal address"):
-        CudaIpcReader().read(part, _targets(tensors), GPU0)
-    # The copy may still read the mapping when the call fails: the stream is
-    # waited for before the mapping goes.
-    assert drv.events == [("open", seg.data_ptr()), ("copy failed", "batch"), ("sync",),
-                          ("close", seg.data_ptr())]
-    assert drv.open == {}
+        reader.read(part, _targets(tensors), GPU0)
+    assert drv.events == [("open", seg.data_ptr()), ("copy failed", "batch")]
+    targets = _targets(tensors)
+    assert reader.read(part, targets, GPU0).reused == 1  # the next read: the same mapping
+    assert all(torch.equal(d, s) for d, s in zip(targets.tensors, tensors))
 
 
 def test_a_new_handle_at_a_kept_base_closes_the_old_mapping(fake_cuda):
     drv = fake_cuda
-    seg, tensors, part = _sender_tensors(drv, kept=True)
+    seg, tensors, part = _sender_tensors(drv)
     reader = CudaIpcReader()
     reader.read(part, _targets(tensors), GPU0)
     drv.reallocate(seg)  # the sender freed the pool and allocated it again
     _fill(tensors[0], 42)
-    moved = _part(drv, [seg], tensors, kept=[seg])
+    moved = _part(drv, [seg], tensors)
     assert moved.segments[0][2] != part.segments[0][2]
     drv.events.clear()
     targets = _targets(tensors)
@@ -576,7 +525,7 @@ def test_a_new_handle_at_a_kept_base_closes_the_old_mapping(fake_cuda):
 
 def test_sizes_that_do_not_fit_are_refused_before_any_mapping(fake_cuda):
     drv = fake_cuda
-    seg, tensors, part = _sender_tensors(drv, kept=True)
+    seg, tensors, part = _sender_tensors(drv)
     reader = CudaIpcReader()
     too_small = Targets.of([torch.zeros(3000, dtype=torch.uint8), torch.zeros(999, dtype=torch.uint8)])
     with pytest.raises(ValueError, match="target buffer 1 holds 999 bytes, the source tensor 1000"):
@@ -596,23 +545,41 @@ def test_a_segment_that_cannot_be_mapped_fails_the_read_before_any_byte_moves(fa
     targets = _targets(tensors)
     with pytest.raises(MappingFailed, match="cuIpcOpenMemHandle"):
         CudaIpcReader().read(part, targets, GPU0)
-    assert drv.events == [("open", a.data_ptr()), ("close", a.data_ptr())]  # no copy, nothing left open
+    assert drv.events == [("open", a.data_ptr())]  # no copy (the first segment stays mapped: it is kept)
     assert all(int(t.sum()) == 0 for t in targets.tensors)
 
 
-def test_map_kept_opens_only_kept_segments_and_the_next_read_reuses_them(fake_cuda):
+def test_map_kept_opens_every_segment_and_the_next_read_reuses_them(fake_cuda):
     drv = fake_cuda
-    pool, loose = drv.alloc(4096), drv.alloc(4096)
-    tensors = [_view(pool, 0, 128), _view(loose, 0, 128)]
-    part = _part(drv, [pool, loose], tensors, kept=[pool])
+    pool, slots = drv.alloc(4096), drv.alloc(4096)
+    tensors = [_view(pool, 0, 128), _view(slots, 0, 128)]
+    part = _part(drv, [pool, slots], tensors)
     reader = CudaIpcReader()
-    assert reader.map_kept(part, GPU0) == 1
-    assert list(drv.open) == [pool.data_ptr()]
+    assert reader.map_kept(part, GPU0) == 2
+    assert sorted(drv.open) == sorted([pool.data_ptr(), slots.data_ptr()])
     assert reader.read(part, _targets(tensors), GPU0, copy=False).opened == 0  # mapped, nothing copied
     assert ("copy", "batch") not in drv.events
     res = reader.read(part, _targets(tensors), GPU0)
-    assert (res.opened, res.reused, res.closed) == (1, 1, 1)
-    assert list(drv.open) == [pool.data_ptr()]
+    assert (res.opened, res.reused) == (0, 2) and drv.calls["ipc_close"] == 0
+
+
+def test_the_mappings_of_a_sender_that_exited_are_closed_within_seconds(fake_cuda):
+    """A trainer killed while the rank maps its memory: the reader's watch
+    closes the mapping (an exited process not yet reaped counts as gone)."""
+    drv = fake_cuda
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_until(lambda: cma.proc_stat_fields(f"/proc/{child.pid}/stat")[0] == b"Z", 30, 0.01,
+               "the child to exit (a zombie: not reaped yet)")
+    assert not cma.pid_alive(child.pid)
+    reader = CudaIpcReader()
+    seg = drv.alloc(4096)
+    alive = drv.alloc(4096)
+    reader.read(_part(drv, [alive], [_view(alive, 0, 64)], sender="alive"), _targets([_view(alive, 0, 64)]), GPU0)
+    reader.read(_part(drv, [seg], [_view(seg, 0, 64)], sender="killed", pid=child.pid),
+                _targets([_view(seg, 0, 64)]), GPU0)
+    wait_until(lambda: seg.data_ptr() not in drv.open, 30, 0.05, "the watch to close the dead sender's mapping")
+    assert list(drv.open) == [alive.data_ptr()] and reader.stats()["kept_senders"] == 1
+    child.wait()
 
 
 def test_release_closes_the_kept_mappings_of_one_sender_of_gone_senders_or_of_all(fake_cuda):
@@ -625,7 +592,7 @@ def test_release_closes_the_kept_mappings_of_one_sender_of_gone_senders_or_of_al
     for sender, pid in (("alive-1", os.getpid()), ("alive-2", os.getpid()), ("exited", dead_pid)):
         seg = segs[sender] = drv.alloc(4096)
         t = [_view(seg, 0, 64)]
-        reader.read(_part(drv, [seg], t, kept=[seg], sender=sender, pid=pid), _targets(t), GPU0)
+        reader.read(_part(drv, [seg], t, sender=sender, pid=pid), _targets(t), GPU0)
     assert reader.stats()["kept_senders"] == 3
 
     assert reader.release(gone_only=True) == 1
@@ -645,15 +612,15 @@ def test_a_reader_keeps_mappings_of_a_few_senders_and_lets_the_oldest_go(fake_cu
         seg = drv.alloc(4096)
         segs.append(seg)
         t = [_view(seg, 0, 64)]
-        reader.read(_part(drv, [seg], t, kept=[seg], sender=f"trainer-{i}"), _targets(t), GPU0)
+        reader.read(_part(drv, [seg], t, sender=f"trainer-{i}"), _targets(t), GPU0)
     assert reader.stats()["kept_senders"] == CudaIpcReader.max_kept_senders
     assert set(drv.open) == {s.data_ptr() for s in segs[1:]}  # the first sender's went
 
 
 def test_on_one_gpu_without_the_copy_kernel_tensors_are_copied_one_by_one(fake_cuda):
     drv = fake_cuda
-    seg, tensors, _ = _sender_tensors(drv, kept=True)
-    part = _part(drv, [seg], tensors, kept=[seg], gpu=LOCAL_GPU)  # the reader's own GPU
+    seg, tensors, _ = _sender_tensors(drv)
+    part = _part(drv, [seg], tensors, gpu=LOCAL_GPU)  # the reader's own GPU
     reader = CudaIpcReader()
     for _ in range(2):
         targets = _targets(tensors)
@@ -670,7 +637,7 @@ def test_between_gpus_a_refused_batch_falls_back_to_one_copy_per_tensor(fake_cud
         raise CudaDriverError("cuMemcpyBatchAsync", -1, "not in this driver")
 
     monkeypatch.setattr(cuda_driver, "memcpy_batch", refused)
-    seg, tensors, part = _sender_tensors(drv, kept=False)
+    seg, tensors, part = _sender_tensors(drv)
     targets = _targets(tensors)
     assert CudaIpcReader().read(part, targets, GPU0).method == "ce"
     assert all(torch.equal(d, s) for d, s in zip(targets.tensors, tensors))

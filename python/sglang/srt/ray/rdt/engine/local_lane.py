@@ -56,7 +56,7 @@ from sglang.srt.ray.rdt.engine.update_state import Writer
 from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.lane_wire import FRAME_TIMEOUT_S, ID_BYTES, SECRET_BYTES, recv_frame, send_frame
 from sglang.srt.ray.rdt.transport import same_node
-from sglang.srt.ray.rdt.transport.cma import proc_stat_fields
+from sglang.srt.ray.rdt.transport.cma import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +81,7 @@ def remove_dead_lanes(base: str) -> int:
             pid = int(os.path.basename(path)[len(DIR_PREFIX):].split("-", 1)[0])
             if os.stat(path).st_uid != os.getuid():
                 continue
-            os.kill(pid, 0)
-            state = proc_stat_fields(f"/proc/{pid}/stat")
-            if state is not None and state[0] in (b"Z", b"X"):  # exited, not yet reaped
+            if not pid_alive(pid):  # (an exited process not yet reaped counts as gone)
                 raise ProcessLookupError(pid)
         except ProcessLookupError:
             shutil.rmtree(path, ignore_errors=True)

@@ -18,7 +18,6 @@ another), the same-node reader's lock.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import threading

@@ -124,6 +124,9 @@ def cut(items, group_bytes: int) -> Iterator[Group]:
     (:func:`~sglang.srt.ray.rdt.transport.tensor_scan.scan`)."""
     if group_bytes <= 0:
         raise ValueError(f"group_bytes must be positive, got {group_bytes}")
+    if isinstance(items, Group):  # (a whole mapping, looked at already)
+        yield from _cut_all(items.names, items.tensors, group_bytes, items.scan)
+        return
     if isinstance(items, Mapping):
         yield from _cut_all(list(items), list(items.values()), group_bytes)
         return
@@ -157,10 +160,17 @@ def _scan(names: List[str], tensors: List[torch.Tensor]) -> Scan:
         raise
 
 
-def _cut_all(names: List[str], tensors: List[torch.Tensor], group_bytes: int) -> Iterator[Group]:
+def whole(payload) -> Group:
+    """A mapping as one group, looked at once (cut further with :func:`steps`)."""
+    return next(cut(payload, WHOLE))
+
+
+def _cut_all(names: List[str], tensors: List[torch.Tensor], group_bytes: int,
+             s: Optional[Scan] = None) -> Iterator[Group]:
     if not names:
         raise WeightSyncError("empty update: no tensors were given")
-    s = _scan(names, tensors)  # (a tensor's autograd state does not matter here)
+    if s is None:
+        s = _scan(names, tensors)  # (a tensor's autograd state does not matter here)
     if group_bytes == WHOLE:
         yield Group(0, names, tensors, s, int(s.nbytes.sum()))
         return

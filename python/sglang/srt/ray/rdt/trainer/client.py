@@ -40,7 +40,7 @@ from sglang.srt.ray.rdt.trainer.route import Route, decide_route
 from sglang.srt.ray.rdt.trainer.sender import SenderLink, release_rank_mappings
 from sglang.srt.ray.rdt.trainer.sessions import make_session
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
-from sglang.srt.ray.rdt.trainer.update import Update, group_bytes_for
+from sglang.srt.ray.rdt.trainer.update import Update, group_bytes_for, readable_in_place
 from sglang.srt.ray.rdt.transport import same_node, tensor_scan
 
 __all__ = ["WeightSyncClient", "WeightSyncRankError", "UpdateStats", "BucketStats", "RankInfo"]
@@ -148,7 +148,6 @@ class WeightSyncClient:
         self.update_tags = itertools.count(1)  # names the slot tokens of each update
         self._staging = staging
         self._pool = None
-        self._told_outside_pool = False  # the warning about tensors outside the pool: once
         self._layouts: Optional[List[Dict[str, Dict[str, Any]]]] = None
         self._statuses: Optional[List[Dict[str, Any]]] = None
         self._route: Optional[Route] = None
@@ -217,11 +216,11 @@ class WeightSyncClient:
         """Pin every rank's parameters with NIXL once, open the call lanes and
         choose how updates travel (idempotent); returns each rank's
         ``register_weight_for_rdt()``. ``named_tensors`` (a mapping, as for
-        :meth:`update`): the tensors later updates will send, checked now; the
-        ranks plan their pulls and map what stays mapped, writing nothing, so
-        the first update costs what later ones do. Without it: a direct route
-        grows the staging pool to what a stream holds and has the ranks map
-        it; a bucket route makes the slots a stream fills."""
+        :meth:`update`): the tensors later updates will send, checked now;
+        the ranks plan their pulls and map the kept memory that holds them
+        (or the slots they are gathered into are made), writing nothing, so
+        the first update costs what later ones do. Without it nothing is
+        reserved on the trainer's GPU, but a bucket route's two slots."""
         out = self._call_all("register_weight_for_rdt")
         self.parameter_layouts(refresh=True)
         self._statuses = None
@@ -231,20 +230,19 @@ class WeightSyncClient:
             if buckets.is_stream(named_tensors):
                 raise WeightSyncError("register() takes a mapping of the tensors, not an iterator")
             payloads, rank_groups = buckets.split_payloads(named_tensors, len(self.ranks))
+            payloads = [buckets.whole(p) for p in payloads]
+            in_place = route.direct and all(readable_in_place(p, self.device_obj) for p in payloads)
             # grouped as update() will group them, so its layouts are the ones prepared
             steps = list(buckets.steps(payloads, rank_groups,
-                                       group_bytes_for(route, self.bucket_bytes, False)))
+                                       group_bytes_for(in_place, self.bucket_bytes, False)))
             for step in steps:
                 for rg, group in step:
                     self.layouts_book.assign(rg, group, rank_groups[rg], self._layouts, self.labels)
-            if route.direct:
+            if in_place:
                 self._prepare_direct(steps, rank_groups)
             else:
                 self.sender.prepare(max(buckets.slot_layout(s)[1] for s in steps), self.ranks)
-        elif route.direct:
-            if self.staging_pool() is not None:
-                self._warm_pool()
-        else:  # the slots a stream's steps fill, made (and NIXL-registered) now
+        elif not route.direct:  # the slots a stream's steps fill, made (and NIXL-registered) now
             self.sender.prepare(self._slot_bytes_for_any_update() or self.bucket_bytes, self.ranks)
         return out
 
@@ -260,17 +258,6 @@ class WeightSyncClient:
                 sizes.append(torch.Size(shape).numel() * dtype.itemsize)
             layouts[tuple(sizes)] = None  # (replicas share a layout: one rank group)
         return buckets.slot_bytes_for(list(layouts), self.bucket_bytes)
-
-    def _warm_pool(self) -> None:
-        """Grow the staging pool to what a streamed update holds (two buckets)
-        and have the ranks map it now."""
-        with self.staging():
-            block = torch.empty(2 * self.bucket_bytes + self.bucket_bytes // 8, dtype=torch.uint8,
-                                device=self.device_obj)
-        meta = same_node.export([block])
-        calls = [(r, self.lanes.links[r].send("map", {"source": meta})) for r in sorted(self.route().lanes)]
-        self.gather(calls, "map the staging pool", self.call_timeout_s)
-        del block
 
     def _prepare_direct(self, steps, rank_groups) -> None:
         if self.device_obj.type == "cuda":
@@ -308,23 +295,26 @@ class WeightSyncClient:
         if self._route is not None and all(self.lanes.link(r) for r in self._route.lanes):
             return self._route
         statuses = self._statuses if self._statuses is not None else self.status()
-        self.lanes.open(self.ranks, statuses, self.call_timeout_s, self.device_obj)
+        self.lanes.open(self.ranks, statuses, self.call_timeout_s, self.device_obj,
+                        lambda: self.staging_pool().allocating())  # (a GPU probe: in kept memory)
         lanes = {r.index for r in self.ranks if self.lanes.link(r.index) is not None}
         self._route = decide_route(self.ranks, statuses, lanes, self.transport, self.export, self.device_obj)
         return self._route
 
     def staging_pool(self):
-        """The staging pool on the client's GPU (None on the CPU or with staging=False)."""
-        if self._pool is None and self._staging and self.device_obj.type == "cuda":
+        """The staging pool on the client's GPU: the kept memory ranks read in
+        place, the slots' too (None on the CPU)."""
+        if self._pool is None and self.device_obj.type == "cuda":
             self._pool = staging.acquire(self.device_obj)
         return self._pool
 
     @contextlib.contextmanager
     def staging(self):
         """``with client.staging(): tensors = build(...)``: new CUDA tensors of
-        this thread come from the staging pool, which the ranks keep mapped
-        across updates (a no-op on the CPU)."""
-        pool = self.staging_pool()
+        this thread come from the staging pool, which the ranks read in place
+        and keep mapped across updates (a no-op on the CPU, or with
+        ``staging=False``: tensors are then gathered into the slots)."""
+        pool = self.staging_pool() if self._staging else None
         with pool.allocating() if pool is not None else contextlib.nullcontext():
             yield
 
@@ -372,21 +362,9 @@ class WeightSyncClient:
                            int(bucket_bytes or self.bucket_bytes), strict, flush_cache,
                            progress).run(named_tensors)
             logger.info("[RDT] update: %s", stats.summary())
-            if stats.outside_pool_bytes and not self._told_outside_pool:
-                self._told_outside_pool = True
-                self._tell_outside_pool(stats.outside_pool_bytes)
             return stats
         finally:
             self._busy.release()
-
-    def _tell_outside_pool(self, nbytes: int) -> None:
-        fix = ("make them inside `with client.staging():` or in a generator passed to update()"
-               if self._staging else
-               "this client was made with staging=False: leave staging on and make them inside "
-               "`with client.staging():`")
-        logger.warning("[RDT] %s of this update's tensors were read from outside the staging pool: the "
-                       "ranks map that memory anew in every update and close it after (several times "
-                       "slower); %s", buckets.describe_bytes(nbytes), fix)
 
     def _reclaim_stuck(self) -> None:
         """Free slots a failed update left in flight, once their pulls are over."""
@@ -413,10 +391,16 @@ class WeightSyncClient:
                 device=str(self.device_obj))  # the replicas' shards are what the ranks read
         return self._hf_resharder
 
-    def close(self) -> None:
-        """Close the lanes, make the ranks let go of this process's memory,
-        free the bucket slots and the staging pool."""
-        self.lanes.close()
+    def pool_bytes(self) -> int:
+        """What the staging pool holds on the trainer's GPU (its tensors and the slots)."""
+        return self._pool.held()[0] if self._pool is not None else 0
+
+    def release(self) -> None:
+        """Give the trainer's GPU memory back: make the ranks let go of this
+        process's memory, free the bucket slots and the staging pool (a
+        colocated trainer calls it before its training step; the next update
+        makes what it needs again). Tensors made in ``staging()`` must be
+        dropped first: memory they still use stays allocated."""
         try:
             if self._pool is not None or self.device_obj.type == "cuda":
                 release_rank_mappings(self.ranks, same_node.token(), self.call_timeout_s,
@@ -427,6 +411,11 @@ class WeightSyncClient:
             finally:
                 staging.release(self._pool)
                 self._pool = None
+
+    def close(self) -> None:
+        """Close the lanes and :meth:`release` everything."""
+        self.lanes.close()
+        self.release()
 
     def __enter__(self) -> "WeightSyncClient":
         return self

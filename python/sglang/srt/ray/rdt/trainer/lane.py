@@ -11,6 +11,7 @@ is gone or the connection breaks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -192,11 +193,12 @@ class Lanes:
         self.links: Dict[int, RankLink] = {}
 
     def open(self, ranks, statuses: Sequence[Dict[str, Any]], call_timeout_s: float,
-             device=None) -> None:
+             device=None, allocating=None) -> None:
         """Open a lane to every rank on this process's node that can read this
-        process's memory on ``device`` (checked by reading a few bytes, once).
-        The others (an engine without lanes, a rank the kernel or the driver
-        refuses) are reached through Ray, which falls back to NIXL."""
+        process's memory on ``device`` (checked by reading a few bytes, made
+        in ``allocating()``: kept memory on a GPU, once). The others (an
+        engine without lanes, a rank the kernel or the driver refuses) are
+        reached through Ray, which falls back to NIXL."""
         if self.opened or not self.enabled:
             return
         self.opened = True
@@ -204,7 +206,9 @@ class Lanes:
         import torch
 
         here, token = same_node.node_id(), same_node.token()
-        probe = torch.arange(256, dtype=torch.uint8, device=device or "cpu")
+        kept = allocating is not None and device is not None and device.type == "cuda"
+        with allocating() if kept else contextlib.nullcontext():
+            probe = torch.arange(256, dtype=torch.uint8, device=device or "cpu")
         if probe.is_cuda:
             torch.cuda.synchronize(probe.device)
         meta = same_node.export([probe])

@@ -1,11 +1,16 @@
-"""The trainer's bucket slots: reusable buffers the ranks read copies from.
+"""The trainer's bucket slots: kept buffers the ranks read gathered copies from.
 
-When the ranks cannot read the trainer's own tensors (another node, a
-``nixl`` transport, host memory without ``export="direct"``), each group of
-an update is copied into one of two slots and read from there while the next
-group is copied into the other. :class:`BucketSender` owns the slots in the
-trainer's process: allocated once (in the staging pool on a GPU), registered
-with NIXL once, refilled by every update.
+Ranks read a trainer's GPU memory in place only where it is kept for them
+(the staging pool); every other tensor of an update, and every tensor for a
+rank that cannot read this process's memory (another node, a ``nixl``
+transport), is gathered into one of two slots and read from there while the
+next group is gathered into the other. :class:`BucketSender` owns the slots
+in the trainer's process: allocated once (in the staging pool on a GPU),
+registered with NIXL once, refilled by every update. A fill is one batched
+copy: one kernel over the contiguous tensors of the slot's GPU (from their
+addresses, no tensor object made per piece), PyTorch's copy for the others
+(strided views, other devices), then the slot is described to lane ranks by
+addresses and put as a ref (of views) for the others.
 
 No ``ray.put`` snapshots a slot: ranks read its bytes when they pull. So
 ``fill`` marks a slot in flight under a token and refuses to overwrite a slot
@@ -19,16 +24,19 @@ import contextlib
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from sglang.srt.ray.rdt.errors import WeightSyncError, describe, unwrap
 from sglang.srt.ray.rdt.trainer import staging
 from sglang.srt.ray.rdt.transport import same_node
-from sglang.srt.ray.rdt.transport.cuda_driver import copy_tensors
+from sglang.srt.ray.rdt.transport.cuda_driver import copy_ptrs
 
 logger = logging.getLogger(__name__)
 
 NUM_SLOTS = 2
+# Same-size integer types: a floating tensor's bits copied as they are.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class BucketSenderError(RuntimeError):
@@ -101,13 +109,13 @@ class BucketSender:
         return n
 
     @torch.no_grad()
-    def fill(self, slot: int, token: str, offsets: Sequence[Sequence[int]],
-             tensors: Sequence[Sequence[torch.Tensor]], ref_transport: Optional[str],
-             local: bool) -> List[Tuple[Any, Any]]:
-        """Copy each region's ``tensors`` into ``slot`` at ``offsets`` (bytes),
-        mark the slot in flight under ``token``. Returns per region ``(ref,
-        description)``: a ref put with ``ref_transport`` (if given) and a
-        same-node description for the lanes (if ``local``)."""
+    def fill(self, slot: int, token: str, offsets: Sequence[Sequence[int]], groups,
+             ref_transport: Optional[str], local: bool) -> List[Tuple[Any, Any]]:
+        """Gather each group's tensors (``groups``: ``buckets.Group``) into
+        ``slot`` at ``offsets`` (bytes), mark the slot in flight under
+        ``token``. Returns per group ``(ref, description)``: a ref put with
+        ``ref_transport`` (if given) and a same-node description of the slot's
+        bytes for the lanes (if ``local``)."""
         self._check_open()
         if self._in_flight[slot] is not None:
             raise BucketInFlightError(
@@ -116,30 +124,49 @@ class BucketSender:
         buf = self._slots[slot]
         if buf is None:
             raise BucketSenderError("bucket sender not prepared: call prepare() first")
+        dst = [buf.data_ptr() + np.asarray(offs, np.int64) for offs in offsets]
+        end = max((int(d[-1] - buf.data_ptr() + g.scan.nbytes[-1]) for d, g in zip(dst, groups) if len(d)),
+                  default=0)
+        if end > buf.numel():
+            raise BucketSenderError(f"a step does not fit the slot ({end} > {buf.numel()} bytes); "
+                                    "prepare() it larger")
         self._in_flight[slot] = token  # from here on: a failed fill leaves it reserved
-        views = [[self._view(buf, off, t) for off, t in zip(offs, ts)]
-                 for offs, ts in zip(offsets, tensors)]
-        flat_views = [v for vs in views for v in vs]
-        flat_tensors = [t for ts in tensors for t in ts]
-        if buf.is_cuda:  # bit for bit (torch._foreach_copy_ rewrites NaN payloads)
+        if buf.is_cuda:
             torch.cuda.synchronize(buf.device)  # the trainer's queued work on its tensors
-            # the kernel reads sources on the slots' GPU; others (host memory,
-            # another GPU) are copied by torch
-            here = [i for i, t in enumerate(flat_tensors) if t.device == buf.device]
-            copy_tensors([flat_views[i] for i in here], [flat_tensors[i].contiguous() for i in here])
-            if len(here) < len(flat_tensors):
-                for i in sorted(set(range(len(flat_tensors))) - set(here)):
-                    flat_views[i].copy_(flat_tensors[i])
-                torch.cuda.synchronize(buf.device)
-        else:
-            for v, t in zip(flat_views, flat_tensors):
-                v.copy_(t)
+        for d, g in zip(dst, groups):
+            self._gather(buf, d, g)
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
         out = []
-        for vs in views:
-            ref = self._put(vs, ref_transport) if ref_transport else None
-            out.append((ref, same_node.export(vs) if local else None))
+        for d, g in zip(dst, groups):
+            ref = self._put(self._views(buf, d, g), ref_transport) if ref_transport else None
+            out.append((ref, same_node.describe(d, g.scan.nbytes, buf.device) if local else None))
         self.stats["fills"] += 1
         return out
+
+    @staticmethod
+    def _gather(buf: torch.Tensor, dst: np.ndarray, group) -> None:
+        """Copy ``group``'s tensors to the slot addresses ``dst``, bit for bit:
+        one kernel for the contiguous ones on the slot's GPU, a copy into a
+        view for each other one (strided, another device, host memory)."""
+        sc = group.scan
+        here = sc.contiguous & (sc.device == (buf.device.index if buf.is_cuda else -1))
+        if buf.is_cuda and here.any():
+            copy_ptrs(buf.device.index, dst[here], sc.ptrs[here], sc.nbytes[here])
+        else:
+            here[:] = False
+        for i in np.flatnonzero(~here).tolist():
+            t = group.tensors[i]
+            v = BucketSender._view(buf, int(dst[i]) - buf.data_ptr(), t)
+            bits = _BITS.get(t.element_size()) if t.dtype.is_floating_point else None
+            if bits is not None and t.dim():  # (integer views: NaN payloads copied as they are)
+                v, t = v.view(bits), t.view(bits)
+            v.copy_(t)
+
+    @staticmethod
+    def _views(buf: torch.Tensor, dst: np.ndarray, group) -> List[torch.Tensor]:
+        base = buf.data_ptr()
+        return [BucketSender._view(buf, int(d) - base, t) for d, t in zip(dst.tolist(), group.tensors)]
 
     def _put(self, views, transport: str):
         import ray
@@ -153,11 +180,8 @@ class BucketSender:
 
     @staticmethod
     def _view(buf: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
-        n = t.nbytes
-        if offset + n > buf.numel():
-            raise BucketSenderError(f"a tensor does not fit the slot ({offset + n} > "
-                                    f"{buf.numel()} bytes); prepare() it larger")
-        return buf[offset:offset + n].view(t.dtype).view(t.shape)
+        """The slot's bytes at ``offset`` as a tensor like ``t``."""
+        return buf[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
 
     def release(self, slot: int, token: str) -> None:
         """Mark ``slot`` free again; ``token`` must be the one it was filled with."""

@@ -1,23 +1,21 @@
-"""The trainer's staging pool: CUDA memory the ranks map once and keep mapped.
+"""The trainer's staging pool: CUDA memory kept for the ranks, mapped once.
 
-A rank reads a trainer's GPU tensors through CUDA IPC mappings of their
-segments, and must close the mapping of an ordinary segment right after its
-copy (CUDA forbids freeing memory another process maps): ~45 us to open and
-~30 us to close each segment, 20-30 ms for a model's worth, every update.
-The staging pool is a private pool of PyTorch's caching allocator
-(``torch.cuda.MemPool``) whose segments stay allocated while the pool lives,
-so ranks keep their mappings of it across updates, and tensors made anew
-every step land in the same segments again. ``WeightSyncClient`` consumes a
-generator passed to ``update()`` inside the pool, allocates its bucket slots
-there and offers ``client.staging()``; :func:`release` gives the memory back
-once the ranks let go of it.
+Ranks read a trainer's GPU memory in place only where it is kept for them
+(``transport/cuda_ipc.py``). The staging pool is a private pool of PyTorch's
+caching allocator (``torch.cuda.MemPool``), whose segments stay allocated
+while the pool lives (PyTorch frees a live pool's memory to nobody), so ranks
+map them once and keep the mappings across updates, and tensors made anew
+every step inside ``client.staging()`` land in the same segments again. The
+client's two bucket slots live here too. What the pool holds is reported
+(:meth:`StagingPool.held`, ``UpdateStats.pool_bytes``); :func:`release`
+gives all of it back once the ranks let go of it (``client.release()``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Dict, Iterator, Optional, Set
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -28,14 +26,12 @@ _pools: Dict[int, "StagingPool"] = {}  # device index -> this process's pool
 
 
 class StagingPool:
-    """One device's pool and the segment bases it holds."""
+    """One device's pool, declared to the exporter as kept memory."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.pool = torch.cuda.MemPool()
-        self.users = 0  # clients using it (the last one's close releases it)
-        self._bases: Set[int] = set()
-        self._not_ours: Set[int] = set()  # bases seen outside the pool (until the next refresh)
+        self.users = 0  # clients using it (the last one's release frees it)
 
     @contextlib.contextmanager
     def allocating(self) -> Iterator[None]:
@@ -43,18 +39,23 @@ class StagingPool:
         with torch.cuda.use_mem_pool(self.pool, self.device):
             yield
 
-    def holds(self, base: int) -> bool:
-        """Whether the segment at ``base`` belongs to the pool."""
-        if base in self._bases:
-            return True
-        if base in self._not_ours:
-            return False
-        self._bases = {int(s["address"]) for s in self.pool.snapshot()}
-        self._not_ours.clear()
-        if base in self._bases:
-            return True
-        self._not_ours.add(base)
-        return False
+    def _snapshot(self) -> List[dict]:
+        if self.pool is None:
+            return []
+        try:
+            snap = self.pool.snapshot(include_traces=False)
+        except TypeError:  # (an older torch: no such argument)
+            snap = self.pool.snapshot()
+        return [s for s in snap if s.get("device", self.device.index) == self.device.index]
+
+    def segments(self) -> List[Tuple[int, int]]:
+        """``(base, size)`` of every segment the pool holds (kept memory)."""
+        return [(int(s["address"]), int(s["total_size"])) for s in self._snapshot()]
+
+    def held(self) -> Tuple[int, int]:
+        """``(reserved, allocated)`` bytes: what the pool holds, and what of it live tensors use."""
+        snap = self._snapshot()
+        return (sum(int(s["total_size"]) for s in snap), sum(int(s["allocated_size"]) for s in snap))
 
 
 def acquire(device) -> StagingPool:
@@ -66,7 +67,7 @@ def acquire(device) -> StagingPool:
         pool = _pools.get(index)
         if pool is None:
             pool = _pools[index] = StagingPool(torch.device("cuda", index))
-            same_node.set_keeper(index, pool.holds)
+            same_node.keep(index, pool.segments)
         pool.users += 1
         return pool
 
@@ -82,7 +83,7 @@ def release(pool: Optional[StagingPool]) -> bool:
         if pool.users > 0:
             return False
         _pools.pop(pool.device.index, None)
-    same_node.set_keeper(pool.device.index, None)  # its segments may be handed out anew
+    same_node.keep(pool.device.index, pool.segments, add=False)  # its segments may be handed out anew
     pool.pool = None  # the allocator frees the pool once nothing references it
     torch.cuda.empty_cache()
     return True

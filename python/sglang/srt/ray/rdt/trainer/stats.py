@@ -37,12 +37,13 @@ class UpdateStats:
     every rank's copy. ``seconds`` is the whole call; ``transfer_seconds``
     from the first group's fill to the last pull's return; ``gbps`` =
     ``bytes`` / ``transfer_seconds``. ``path``: ``"direct"`` (the ranks read
-    the trainer's own tensors) or ``"buckets"`` (copies in the client's
-    slots); ``held_bytes``: the most bytes of the trainer's tensors the client
-    held at once (``direct``: the groups in flight; a stream's stay within two buckets).
-    ``outside_pool_bytes``: of the tensors read in place on a GPU, the bytes
-    outside the client's staging pool (the ranks map their memory anew for
-    every update and close it after: make them inside ``client.staging()``).
+    the trainer's own tensors: in the staging pool, or host memory),
+    ``"buckets"`` (gathered into the client's slots) or ``"direct+buckets"``
+    (a stream, some groups each way); ``gathered_bytes``: what was gathered;
+    ``held_bytes``: the most bytes of the trainer's tensors the client held
+    at once (read in place: the groups in flight; a stream's stay within two
+    buckets); ``pool_bytes``: what the staging pool holds after the update
+    (its tensors and the slots; ``client.release()`` gives it back).
     """
 
     version: Optional[str]
@@ -60,7 +61,8 @@ class UpdateStats:
     transport: str = "none"  # the path(s) the ranks' pulls took, comma-separated
     lane_calls: int = 0  # pulls sent over a rank's same-node lane, not through Ray
     held_bytes: int = 0
-    outside_pool_bytes: int = 0
+    gathered_bytes: int = 0
+    pool_bytes: int = 0
     plan_seconds: float = 0.0  # a mapping: planned and checked whole before anything moved
 
     def as_dict(self) -> Dict[str, Any]:
@@ -73,6 +75,6 @@ class UpdateStats:
             f"{'s' if len(self.buckets) != 1 else ''} ({self.path}): transfer "
             f"{self.transfer_seconds:.3f} s ({self.gbps:.3f} GB/s), update {self.seconds:.3f} s, "
             f"transport={self.transport}, weight_version={self.version}"
-            + (f", outside the staging pool {describe_bytes(self.outside_pool_bytes)}"
-               if self.outside_pool_bytes else "")
+            + (f", gathered {describe_bytes(self.gathered_bytes)}" if self.gathered_bytes else "")
+            + (f", staging pool {describe_bytes(self.pool_bytes)}" if self.pool_bytes else "")
         )

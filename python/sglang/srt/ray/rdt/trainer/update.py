@@ -4,10 +4,11 @@
 groups (``buckets.py``, sizes by :func:`group_bytes_for`). A mapping is
 checked whole before anything moves; an iterator's groups as they come.
 
-**Transfer.** Step ``k`` (group ``k`` of every rank group) goes out the way
-the client's route says: *direct*, ranks on this node read the trainer's own
-tensors over their call lanes; *buckets*, the step is copied into one of the
-client's two slots that ranks read over their lane or through a Ray ref. A
+**Transfer.** Step ``k`` (group ``k`` of every rank group) is read by the
+ranks in place when it lies in kept memory (the client's staging pool) and
+every rank reads this process's memory over a call lane (the client's route
+is *direct*); otherwise it is gathered into one of the client's two slots
+(one batched copy) that ranks read over their lane or through a Ray ref. A
 slot is refilled only after every rank's pull of it returned; an iterator
 read in place has at most two buckets' worth of its tensors alive.
 The engine's update session opens right before the first step goes out.
@@ -19,14 +20,12 @@ any failure: wait (bounded) for pulls still reading, abort the session, raise.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S, PULL_WAIT_MARGIN_S, STREAM_GROUPS_PER_BUCKET
@@ -36,7 +35,7 @@ from sglang.srt.ray.rdt.trainer import buckets
 from sglang.srt.ray.rdt.trainer.lane import LaneCall
 from sglang.srt.ray.rdt.trainer.sessions import CallerPausedSession
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
-from sglang.srt.ray.rdt.transport import same_node, tensor_scan
+from sglang.srt.ray.rdt.transport import same_node
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +73,8 @@ class Update:
     lane_calls: int = 0
     held: int = 0
     max_held: int = 0
-    outside_pool: int = 0  # direct, GPU: bytes read in place from outside the staging pool
+    gathered: int = 0  # bytes gathered into the slots (not read where the trainer made them)
+    in_place: bool = False  # a mapping: read where it is (every tensor in kept memory)
     tensors: int = 0
     payload_bytes: int = 0
     moved_bytes: int = 0
@@ -101,17 +101,21 @@ class Update:
         payloads, self.rank_groups = buckets.split_payloads(named, len(c.ranks))
         self.sent = [set() for _ in self.rank_groups]
         self._tag = next(c.update_tags)
-        self.group_bytes = group_bytes_for(self.route, self.bucket_bytes, self.stream)
+        if not self.stream:  # (each mapping looked at once)
+            payloads = [buckets.whole(p) for p in payloads]
+            self.in_place = self.route.direct and all(self._readable(p) for p in payloads)
+        self.group_bytes = group_bytes_for(self.in_place or (self.stream and self.route.direct),
+                                           self.bucket_bytes, self.stream)
         steps = buckets.steps(payloads, self.rank_groups, self.group_bytes)
         self.slot_bytes = self.bucket_bytes
         if not self.stream:  # every layout checked before anything moves
             planned = [self._check(step) for step in steps]
-            if not self.route.direct:
+            if not self.in_place:
                 self.slot_bytes = max(buckets.slot_layout(step)[1] for step in planned)
             if self.strict:
                 for rg, payload in enumerate(payloads):
                     for r in self.rank_groups[rg]:
-                        buckets.check_strict(payload.keys(), c.parameter_layouts()[r], c.labels[r])
+                        buckets.check_strict(payload.names, c.parameter_layouts()[r], c.labels[r])
             self.total = len(planned)
             steps = iter(planned)
             # One pull to one rank, over its lane, in an update the caller
@@ -139,6 +143,9 @@ class Update:
             c.layouts_book.assign(rg, group, self.rank_groups[rg], c.parameter_layouts(), c.labels)
         return step
 
+    def _readable(self, tensors) -> bool:
+        return readable_in_place(tensors, self.client.device_obj)
+
     # -- transfer --------------------------------------------------------------- #
     def _transfer(self, steps) -> None:
         while True:
@@ -152,20 +159,20 @@ class Update:
             self._land(self.flights.popleft())
 
     def _room(self) -> bool:
-        """Whether the next step may be made and sent before another lands:
-        buckets, while one of the two slots is free; an iterator read in
-        place, while what is in flight and the next group stay within two
-        buckets; a mapping read in place always (the caller holds it whole)."""
-        if not self.route.direct:
+        """Whether the next step may be made and sent before another lands: a
+        mapping read in place always (the caller holds it whole); gathered,
+        while one of the two slots is free; an iterator, while what it has in
+        flight in place and the next group stay within two buckets (a step
+        gathered waits for a slot in :meth:`_fill`)."""
+        if self.in_place:
+            return True
+        if not self.stream:
             return len(self.flights) < 2
-        return not self.stream or self.held + self.group_bytes <= 2 * self.bucket_bytes
+        return self.held + self.group_bytes <= 2 * self.bucket_bytes
 
     def _next(self, steps):
-        """The next step; an iterator's tensors are made now (in the staging
-        pool on a GPU, so the ranks keep their mappings of them)."""
-        pool = self.client.staging_pool() if self.stream else None
-        with pool.allocating() if pool is not None else contextlib.nullcontext():
-            step = next(steps, None)
+        """The next step (an iterator's tensors are made now, where its code makes them)."""
+        step = next(steps, None)
         if step is not None and self.stream:
             self._check(step)
         return step
@@ -178,7 +185,8 @@ class Update:
         if self.t_first is None:
             self.t_first = time.perf_counter()
         t0 = time.perf_counter()
-        if self.route.direct:
+        if self.in_place or (self.stream and self.route.direct and all(
+                self._readable(g) for _, g in step)):
             flight = self._describe(index, step)
         else:
             flight = self._fill(index, step)
@@ -194,10 +202,10 @@ class Update:
         finalize = None
         if self.ends_with_pull:  # (its one step)
             finalize = {"weight_version": self.version, "flush_cache": self.flush_cache}
-        # A mapping read in place: the ranks answer once their copy is queued
-        # and _land waits on their events (the ranks' own work and the answers
-        # overlap the copy). A stream's groups are released on the answers.
-        fence = self.route.direct and not self.stream
+        # Kept memory read over a lane: the ranks answer once their copy is
+        # queued and _land waits on their events (the ranks' own work and the
+        # answers overlap the copy).
+        fence = True
         for (rg, group), (ref, meta) in zip(step, flight.sources):
             for r in self.rank_groups[rg]:
                 if r in self.route.lanes:
@@ -210,37 +218,36 @@ class Update:
                 self.sent[rg].update(group.names)
 
     def _describe(self, index: int, step) -> Flight:
-        """Direct: describe the trainer's own tensors where they are."""
+        """Kept memory: describe the trainer's own tensors where they are."""
         device = self.client.device_obj
-        for _, group in step:
-            _contiguous(group)
         if device.type == "cuda" and (self.stream or index == 0):
             # queued work on them is done before a rank reads (a mapping: all
             # made before the call; an iterator: made as it is consumed)
             torch.cuda.synchronize(device)
-        sources = [(None, same_node.export(g.tensors, with_specs=False, scan=g.scan,
-                                           check=lambda g=g: _on_device(g, device)))
-                   for _, g in step]
-        self.outside_pool += sum(same_node.unkept_bytes(meta) for _, meta in sources)
+        sources = [(None, same_node.export(g.tensors, with_specs=False, scan=g.scan)) for _, g in step]
         held = sum(g.nbytes for _, g in step)
         self.held += held
         self.max_held = max(self.max_held, self.held)
         return Flight(index, step, [], 0.0, held_bytes=held, sources=sources)
 
     def _fill(self, index: int, step) -> Flight:
-        """Buckets: copy the step into a free slot; a ref of it for Ray ranks."""
+        """Gather the step into a free slot (one batched copy); a ref of it for Ray ranks."""
         c = self.client
         offsets, need = buckets.slot_layout(step)
         if need > c.sender.slot_bytes:  # first use, or a stream's tensor larger than the slots
             while self.flights:
                 self._land(self.flights.popleft())
             c.sender.prepare(max(need, self.slot_bytes), c.ranks)
-        slot, token = index % 2, f"update {self._tag} step {index}"
+        while len([f for f in self.flights if f.slot is not None]) >= 2:
+            self._land(self.flights.popleft())  # (a stream: both slots in flight)
+        busy = {f.slot for f in self.flights}
+        slot, token = min({0, 1} - busy), f"update {self._tag} step {index}"
         flight = Flight(index, step, [], 0.0, slot=slot, token=token)
         local = any(r in self.route.lanes for rg, _ in step for r in self.rank_groups[rg])
         ray_ranks = any(r not in self.route.lanes for rg, _ in step for r in self.rank_groups[rg])
-        flight.sources = c.sender.call("fill", slot, token, offsets, [g.tensors for _, g in step],
+        flight.sources = c.sender.call("fill", slot, token, offsets, [g for _, g in step],
                                        self.route.ref_transport if ray_ranks else None, local)
+        self.gathered += need
         for _, group in step:
             group.tensors = []  # copied: the trainer's tensors are not read again
         return flight
@@ -249,15 +256,17 @@ class Update:
         c = self.client
         try:
             results = c.gather(flight.calls, f"pull of step {flight.index + 1}", self.wait_s)
+            received_at = time.perf_counter()
+            # fenced: the ranks' copies may still read the trainer's memory
+            fenced = [r for r, call in flight.calls if isinstance(call, LaneCall) and results[r].get("fenced")]
+            deadline = time.monotonic() + self.wait_s
+            fence_s = max((c.lanes.wait_fence(r, deadline) for r in fenced), default=None)
         except BaseException:
             self.flights.appendleft(flight)  # settled (and its slot freed) with the others
             raise
-        received_at = time.perf_counter()
         for r, call in flight.calls:
             if isinstance(call, LaneCall):
                 c.lanes.defined(r, call)
-        if flight.slot is not None:
-            c.sender.call("release", flight.slot, flight.token)
         self.held -= flight.held_bytes
         nbytes = sum(g.nbytes for _, g in flight.step)
         ntensors = sum(len(g.names) for _, g in flight.step)
@@ -279,10 +288,10 @@ class Update:
             stats.rank_timing = {**(res.get("timing") or {}),
                                  "copy_seconds": sum(r.get("copy_seconds", 0.0) for r in res.get("reads", ())),
                                  "plan_seconds": res.get("plan_seconds", 0.0)}
-        fenced = [r for r, call in flight.calls if isinstance(call, LaneCall) and results[r].get("fenced")]
-        if fenced:  # their copies may still read the trainer's tensors
-            deadline = time.monotonic() + self.wait_s
-            stats.rank_timing["fence_seconds"] = max(c.lanes.wait_fence(r, deadline) for r in fenced)
+        if fence_s is not None:
+            stats.rank_timing["fence_seconds"] = fence_s
+        if flight.slot is not None:  # every rank read it: it may be filled again
+            c.sender.call("release", flight.slot, flight.token)
         flight.step = []  # the trainer's tensors (direct) are let go here
         self.steps_done.append(stats)
         if self.progress is not None:
@@ -364,41 +373,32 @@ class Update:
             seconds=time.perf_counter() - t0, transfer_seconds=transfer,
             begin_seconds=self.begin_seconds, end_seconds=self.end_seconds, plan_seconds=self.plan_seconds,
             gbps=self.payload_bytes / transfer / 1e9 if transfer > 0 else 0.0,
-            path="direct" if self.route.direct else "buckets",
+            path="direct" if not self.gathered else "buckets" if self.gathered >= self.payload_bytes
+            else "direct+buckets",
             transport=",".join(self.paths) or "none", lane_calls=self.lane_calls,
-            held_bytes=self.max_held, outside_pool_bytes=self.outside_pool,
+            held_bytes=self.max_held, gathered_bytes=self.gathered,
+            pool_bytes=self.client.pool_bytes(),
         )
 
 
-def group_bytes_for(route, bucket_bytes: int, stream: bool) -> int:
-    """How much of an update goes in one group: ``bucket_bytes`` for the
-    slots; an iterator read in place, half of it (up to four groups within
-    the bound of two buckets: the next ones are made while the ranks copy);
-    a mapping read in place, all of it (the caller holds every tensor anyway:
-    one pull per rank, one copy, no round trip between groups)."""
-    if not route.direct:
+def readable_in_place(group: buckets.Group, device) -> bool:
+    """Whether ranks that read this process's memory may read ``group``'s
+    tensors where they are: contiguous, on the client's
+    ``device``, and on a GPU in kept memory (the staging pool); host memory
+    is read where it is."""
+    scan = group.scan
+    index = device.index if device.type == "cuda" else -1
+    if not (scan.contiguous.all() and (scan.device == index).all()):
+        return False
+    return device.type != "cuda" or bool(same_node.kept_mask(scan).all())
+
+
+def group_bytes_for(read_in_place: bool, bucket_bytes: int, stream: bool) -> int:
+    """How much of an update goes in one group: read in place, an iterator's
+    half a bucket (up to four groups within the bound of two buckets: the
+    next ones are made while the ranks copy) and a mapping all of it (the
+    caller holds every tensor anyway: one pull per rank, one copy, no round
+    trip between groups); gathered, a slot's worth (``bucket_bytes``)."""
+    if not read_in_place:
         return bucket_bytes
-    if stream:
-        return max(bucket_bytes // STREAM_GROUPS_PER_BUCKET, 1)
-    return buckets.WHOLE
-
-
-def _contiguous(group: buckets.Group) -> None:
-    """``group``'s tensors as the ranks can read them where they are: a copy
-    of a tensor that is not contiguous."""
-    if not group.scan.contiguous.all():
-        group.tensors = [t if t.is_contiguous() else t.contiguous() for t in group.tensors]
-        group.scan = tensor_scan.scan(group.tensors)
-
-
-def _on_device(group: buckets.Group, device: torch.device) -> None:
-    """Refuse ``group`` unless every tensor is on the client's device (asked
-    only where its description is made anew: tensors at the places of a
-    remembered one are in the staging pool on that device)."""
-    index = device.index if device.type == "cuda" else -1  # (the scan's device: -1 in host memory)
-    bad = np.flatnonzero(group.scan.device != index)
-    if len(bad):
-        t, name = group.tensors[bad[0]], group.names[bad[0]]
-        raise WeightSyncError(
-            f"{name!r} is on {t.device}, the client's device is {device}: build the "
-            f"client with device={str(t.device)!r}, or export='buckets' to copy it")
+    return max(bucket_bytes // STREAM_GROUPS_PER_BUCKET, 1) if stream else buckets.WHOLE

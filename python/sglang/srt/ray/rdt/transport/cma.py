@@ -77,14 +77,16 @@ def process_start_time(pid: int) -> Optional[int]:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one we may not signal counts as alive)."""
+    """Whether process ``pid`` runs (one we may not signal counts as alive;
+    one that exited and waits to be reaped, a zombie, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    state = proc_stat_fields(f"/proc/{pid}/stat")
+    return state is None or state[0] not in (b"Z", b"X")
 
 
 def describe_errno(err: int) -> str:

@@ -106,6 +106,15 @@ def nixl_communicator_metadata():
     return NixlCommunicatorMetadata()
 
 
+def nixl_registered(tensor) -> bool:
+    """Whether ``tensor``'s storage is registered with NIXL in this process
+    (``ray.experimental.register_nixl_memory``). Reads Ray's NIXL transport's
+    registration table, checked against Ray 2.60: its owner keeps such memory
+    for readers (miles' bucket), the same-node path may map it once."""
+    manager = transport_manager("NIXL")
+    return bool(getattr(manager, "_tensor_memory_registered", lambda t: False)(tensor))
+
+
 def rdt_manager():
     """This worker's RDT manager (what ``ray.get`` of an RDT ref goes through)."""
     import ray

@@ -398,23 +398,17 @@ def copy_rows(dst, src, nbytes, chunk: int = CHUNK_BYTES):
     return rows.ravel().view(np.uint64), int(ends[-1]) if len(ends) else 0
 
 
-def copy_tensors(dst, src) -> None:
-    """Copy ``src[i]`` into ``dst[i]`` (contiguous tensors of equal sizes, all
-    on one GPU) bit for bit with one :class:`CopyKernel` launch on the current
-    stream; returns once the copy is done."""
+def copy_ptrs(ordinal: int, dst, src, nbytes) -> None:
+    """Copy ``nbytes[i]`` bytes from ``src[i]`` to ``dst[i]`` (addresses on
+    GPU ``ordinal``) with one :class:`CopyKernel` launch on the current
+    stream (bit for bit); returns once the copy is queued."""
     import torch
 
-    from sglang.srt.ray.rdt.transport.metadata import addresses
-
-    if not dst:
+    if not len(dst):
         return
-    device = dst[0].device
-    dst_ptrs, nbytes = addresses(dst)
-    kernel = copy_kernel(device.index)
-    table = kernel.table(dst_ptrs, addresses(src)[0], nbytes)
-    stream = torch.cuda.current_stream(device)
-    kernel.launch(table.data_ptr(), table.numel() // 3, stream.cuda_stream)
-    stream.synchronize()
+    kernel = copy_kernel(ordinal)
+    table = kernel.table(dst, src, nbytes)
+    kernel.launch(table.data_ptr(), table.numel() // 3, torch.cuda.current_stream(ordinal).cuda_stream)
 
 
 _kernels: Dict[int, CopyKernel] = {}

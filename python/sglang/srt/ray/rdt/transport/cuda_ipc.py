@@ -1,25 +1,31 @@
-"""GPU tensors between processes of one node: CUDA IPC handles and one copy.
+"""GPU tensors between processes of one node: kept memory, CUDA IPC handles, one copy.
 
-The sender describes its tensors by the cudaMalloc segments that hold them
-(:class:`CudaIpcExporter`); a segment's handle is asked of the driver once and
-kept with the segment's allocation id (a segment freed and allocated anew
-gets a new id, hence a new handle). A reader on the same node that sees the
-sender's GPU maps those segments and copies the tensors into its targets
-(:class:`CudaIpcReader`): on one GPU with one SM kernel over all tensors,
-between two GPUs with one batched copy-engine call.
+A rank reads a sender's GPU memory in place only where the sender keeps it
+for the ranks (*kept memory*): the trainer's staging pool, which holds the
+client's bucket slots (``trainer/staging.py``), and buffers the trainer
+registered with NIXL (``ray.experimental.register_nixl_memory``: miles'
+bucket). Every other tensor is first gathered into kept memory by the
+trainer (``trainer/sender.py``): one rule, so what a rank maps never depends
+on how PyTorch laid a trainer's tensors out, and a mapping is made once.
 
-CUDA forbids a process to free memory another process still has mapped, so a
-reader closes the mappings of a read once the copy is done, unless the
-segment is *kept* (the trainer's staging pool, ``trainer/staging.py``): kept
-segments stay mapped until their sender asks readers to let go
-(:meth:`CudaIpcReader.release`) or its process is gone. The sender
-synchronises its device before its tensors are read; the reader synchronises
-its copy on the host, unless the read is *fenced*: then the copy of kept
-segments is left running, the reader records its inter-process event
-(:meth:`CudaIpcReader.fence`) after it, and the sender waits on that event
-before it lets go of its tensors, while the reader finishes its own work
-(:meth:`CudaIpcReader.settle` waits for the copy on this side; nothing is
-closed or read again before it).
+The sender (:class:`CudaIpcExporter`) knows its kept segments per GPU
+(base, size, IPC handle, allocation id), sorted, and describes tensors by
+(segment, offset) with one vectorized lookup; a tensor outside them is
+refused (:class:`NotKept`). Kept memory stays allocated while kept, but the
+table is checked again whenever the device freed memory since it was made
+(PyTorch's ``num_device_free``): a segment freed and allocated anew has a new
+allocation id and gets a new handle, and readers replace their mapping.
+
+A reader (:class:`CudaIpcReader`) maps each segment once and keeps the
+mapping until the sender asks it to let go (:meth:`CudaIpcReader.release`)
+or the sender's process is gone (a watch thread closes those within
+:data:`WATCH_S`), and copies all tensors of a read at once: one SM kernel on
+one GPU, one batched copy-engine call between two. The sender synchronises
+its device before its tensors are read; the reader synchronises its copy on
+the host, unless the read is *fenced*: then it records its inter-process
+event after the copy and returns, the sender waits on that event before it
+reuses the memory, and the reader waits for the copy before its own next
+work (:meth:`CudaIpcReader.settle`).
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -42,141 +49,159 @@ from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadRe
 
 logger = logging.getLogger(__name__)
 
+# How often a reader closes the kept mappings of senders whose process is gone.
+WATCH_S = 1.0
+# Where a process's kept memory comes from, per GPU: functions that list
+# (base, size) of kept segments (the staging pool's).
+KeptSource = Callable[[], Iterable[Tuple[int, int]]]
 
-class _KnownSegments:
-    """The segments of one GPU this process has exported, sorted by base:
-    ``(base, size, allocation id, handle, kept)`` each."""
 
-    def __init__(self):
-        self.bases = np.zeros(0, np.int64)
-        self.ends = np.zeros(0, np.int64)
-        self.entries: List[Tuple[int, int, Optional[int], bytes, bool]] = []
+class NotKept(ValueError):
+    """Tensor ``index`` does not lie in kept memory: gather it into kept memory first."""
+
+    def __init__(self, index: int):
+        super().__init__(f"tensor {index} does not lie in kept memory (the staging pool or a "
+                         "registered buffer)")
+        self.index = index
+
+
+def device_frees(ordinal: int) -> int:
+    """How many times PyTorch's allocator gave memory of GPU ``ordinal`` back."""
+    return int(torch.cuda.memory_stats(ordinal).get("num_device_free", 0))
+
+
+class _KeptTable:
+    """One GPU's kept segments, sorted by base: ``(base, size, handle, allocation id)``."""
+
+    def __init__(self, entries=()):
+        self.entries = sorted(entries)
+        self.bases = np.array([e[0] for e in self.entries], np.int64)
+        self.ends = np.array([e[0] + e[1] for e in self.entries], np.int64)
 
     def find(self, ptrs: np.ndarray, nbytes: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         idx = np.searchsorted(self.bases, ptrs, side="right") - 1
-        ok = idx >= 0
-        safe = np.where(ok, idx, 0)
-        if len(self.ends):
-            ok &= ptrs + nbytes <= self.ends[safe]
-        else:
-            ok[:] = False
+        safe = np.maximum(idx, 0)
+        ok = (idx >= 0) & (ptrs + nbytes <= self.ends[safe]) if len(self.ends) else idx < -1
         return safe, ok
-
-    def replace(self, drop, add) -> None:
-        dropped = set(drop)
-        keep = [e for i, e in enumerate(self.entries) if i not in dropped]
-        for new in add:  # a new segment replaces what it overlaps (freed since)
-            keep = [e for e in keep if e[0] + e[1] <= new[0] or new[0] + new[1] <= e[0]]
-            keep.append(new)
-        keep.sort(key=lambda e: e[0])
-        self.entries = keep
-        self.bases = np.array([e[0] for e in keep], np.int64)
-        self.ends = np.array([e[0] + e[1] for e in keep], np.int64)
 
 
 class CudaIpcExporter:
-    """IPC handles of the segments holding a sender's tensors (see the module docstring).
+    """Describes tensors in this process's kept GPU memory (see the module docstring)."""
 
-    ``keeper(ordinal)`` gives, per GPU, the function that says whether a
-    segment base is kept memory (the trainer's staging pool) or None; asked
-    once per segment, when the segment is first seen.
-    """
+    max_parts = 1024  # descriptions remembered (a model's groups, each update the same)
 
-    max_known = 4096  # segments kept per GPU before the memo starts over
-    max_parts = 1024  # descriptions of kept memory remembered (a model's groups)
-
-    def __init__(self, token: str, keeper: Callable[[int], Optional[Callable[[int], bool]]]):
+    def __init__(self, token: str):
         self.token = token
-        self._keeper = keeper
-        self._known: Dict[int, _KnownSegments] = {}
-        # (ordinal, addresses, sizes) -> the IpcPart of tensors wholly in kept
-        # segments: kept memory is not freed while kept, so tensors made anew
-        # at the same addresses (the staging pool's allocator hands them out
-        # again) are described without looking at a segment.
+        self._sources: Dict[int, List[KeptSource]] = {}
+        self._registered: Dict[int, set] = {}  # ordinal -> storage addresses registered as kept
+        self._tables: Dict[int, _KeptTable] = {}
+        self._frees: Dict[int, int] = {}  # ordinal -> device frees when its table was checked
+        # (ordinal, node, addresses, sizes) -> its IpcPart: tensors made anew at the same
+        # places (the pool hands them out again) are described without a lookup.
         self._parts: Dict[tuple, IpcPart] = {}
-        self._kept_epoch = 0  # bumped when kept memory is withdrawn
         self._kept_ids = itertools.count(1)
-        self._lock = threading.Lock()  # guards the known segments and the parts
+        self._lock = threading.Lock()  # guards the sources, tables and parts
 
-    def export(self, ptrs: np.ndarray, nbytes: np.ndarray, ordinal: int, node_id: str,
-               check=None) -> IpcPart:
-        """An :class:`IpcPart` of the tensors at ``ptrs`` of ``nbytes`` each
-        (contiguous, all on GPU ``ordinal``; ``check()``: raises unless they
-        are, asked unless the tensors sit wholly in kept memory of ``ordinal``
-        as a remembered description says: in one address space an address
-        belongs to one allocation, hence one device)."""
-        key = (ordinal, node_id, ptrs.tobytes(), nbytes.tobytes())
-        part = self._parts.get(key)
-        if part is not None:
-            return part
-        if check is not None:
-            check()
-        epoch = self._kept_epoch
-        part = self._export(ptrs, nbytes, ordinal, node_id)
-        if all(s[3] for s in part.segments):
-            with self._lock:
-                if epoch != self._kept_epoch:  # withdrawn meanwhile: not to be reused
-                    return part
-                if len(self._parts) >= self.max_parts:
-                    self._parts.clear()
-                part.kept_id = next(self._kept_ids)
-                self._parts[key] = part
-        return part
-
-    def _export(self, ptrs, nbytes, ordinal: int, node_id: str) -> IpcPart:
-        drv = cuda_driver.driver()
+    def add_source(self, ordinal: int, source: KeptSource) -> None:
         with self._lock:
-            known = self._known.setdefault(ordinal, _KnownSegments())
-            drv.push(ordinal)
-            try:
-                idx, used = self._resolve(drv, known, ptrs, nbytes, self._keeper(ordinal))
-            finally:
-                drv.pop()
-            entries = [known.entries[j] for j in used]
-            if len(known.entries) > self.max_known:
-                self._known[ordinal] = _KnownSegments()
-        seg = np.searchsorted(used, idx)
-        bases = np.array([e[0] for e in entries], np.int64)
-        return IpcPart(
-            node_id=node_id, sender=self.token, pid=os.getpid(), device_uuid=device_uuid(ordinal),
-            segments=[(e[0], e[1], e[3], e[4]) for e in entries],
-            seg=seg.astype(np.int64), offset=ptrs - bases[seg], nbytes=nbytes,
-        )
+            self._sources.setdefault(ordinal, []).append(source)
 
-    def forget_kept(self, ordinal: int) -> None:
-        """The kept memory of GPU ``ordinal`` is being freed: look its segments up anew."""
+    def remove_source(self, ordinal: int, source: KeptSource) -> None:
+        """``source``'s memory is about to be freed: look its segments up anew."""
         with self._lock:
-            self._kept_epoch += 1
+            sources = self._sources.get(ordinal, [])
+            if source in sources:
+                sources.remove(source)
+            self._tables.pop(ordinal, None)
             self._parts.clear()
-            known = self._known.get(ordinal)
-            if known is not None:
-                known.replace([i for i, e in enumerate(known.entries) if e[4]], [])
 
-    @staticmethod
-    def _resolve(drv, known: _KnownSegments, ptrs, nbytes, kept):
-        """Each tensor's index into ``known`` and the sorted indices used;
-        segments not known (or freed and allocated again) are asked of the
-        driver. Kept segments are not checked again (they cannot be freed
-        while kept)."""
-        for _ in range(3):
-            idx, ok = known.find(ptrs, nbytes)
-            add, seen = [], set()
-            for i in np.nonzero(~ok)[0]:
-                base, size = drv.address_range(int(ptrs[i]))
-                if base not in seen:
-                    seen.add(base)
-                    add.append((base, size, drv.buffer_id(base), drv.ipc_handle(base),
-                                bool(kept(base)) if kept is not None else False))
-            if add:
-                known.replace([], add)
-                continue
+    def keep_registered(self, ordinal: int, storage_ptr: int) -> None:
+        """The storage at ``storage_ptr`` is kept by its owner (registered with NIXL)."""
+        with self._lock:
+            if storage_ptr not in self._registered.setdefault(ordinal, set()):
+                self._registered[ordinal].add(storage_ptr)
+                self._tables.pop(ordinal, None)
+
+    def kept_mask(self, ptrs: np.ndarray, nbytes: np.ndarray, ordinal: int) -> np.ndarray:
+        """Per tensor (contiguous, at ``ptrs``, on GPU ``ordinal``): whether it lies in kept memory."""
+        with self._lock:
+            self._check_frees(ordinal)
+            table = self._tables.get(ordinal)
+            ok = table.find(ptrs, nbytes)[1] if table is not None else np.zeros(len(ptrs), bool)
+            if not ok.all():
+                table = self._tables[ordinal] = self._build(ordinal, table)
+                ok = table.find(ptrs, nbytes)[1]
+            return ok
+
+    def export(self, ptrs: np.ndarray, nbytes: np.ndarray, ordinal: int, node_id: str) -> IpcPart:
+        """An :class:`IpcPart` of the contiguous tensors at ``ptrs`` (``nbytes``
+        each, on GPU ``ordinal``), all in kept memory, or :class:`NotKept`."""
+        with self._lock:
+            self._check_frees(ordinal)
+            key = (ordinal, node_id, ptrs.tobytes(), nbytes.tobytes())
+            part = self._parts.get(key)
+            if part is not None:
+                return part
+            table = self._tables.get(ordinal)
+            idx, ok = table.find(ptrs, nbytes) if table is not None else (None, np.zeros(len(ptrs), bool))
+            if not ok.all():
+                table = self._tables[ordinal] = self._build(ordinal, table)
+                idx, ok = table.find(ptrs, nbytes)
+                if not ok.all():
+                    raise NotKept(int(np.flatnonzero(~ok)[0]))
             used = np.unique(idx)
-            stale = [int(j) for j in used if not known.entries[j][4]
-                     and drv.buffer_id(known.entries[j][0]) != known.entries[j][2]]
-            if not stale:
-                return idx, used
-            known.replace(stale, [])
-        raise CudaDriverError("cuMemGetAddressRange", -1, "the tensors' segments keep changing")
+            seg = np.searchsorted(used, idx)
+            entries = [table.entries[j] for j in used]
+            bases = np.array([e[0] for e in entries], np.int64)
+            part = IpcPart(node_id=node_id, sender=self.token, pid=os.getpid(),
+                           device_uuid=device_uuid(ordinal), segments=[e[:3] for e in entries],
+                           seg=seg.astype(np.int64), offset=ptrs - bases[seg], nbytes=nbytes,
+                           kept_id=next(self._kept_ids))
+            if len(self._parts) >= self.max_parts:
+                self._parts.clear()
+            self._parts[key] = part
+            return part
+
+    def _check_frees(self, ordinal: int) -> None:
+        """The device freed memory since the table was checked: check it again
+        before it is used (a kept segment's allocation id must not change)."""
+        frees = device_frees(ordinal)
+        if self._frees.get(ordinal) != frees:
+            self._frees[ordinal] = frees
+            table = self._tables.get(ordinal)
+            if table is not None:
+                drv = cuda_driver.driver()
+                drv.push(ordinal)
+                try:
+                    changed = any(drv.buffer_id(e[0]) != e[3] for e in table.entries)
+                finally:
+                    drv.pop()
+                if changed:
+                    self._tables[ordinal] = self._build(ordinal, table)
+                    self._parts.clear()  # (their handles may be stale)
+
+    def _build(self, ordinal: int, old: Optional[_KeptTable]) -> _KeptTable:
+        """The kept segments of GPU ``ordinal`` as their sources list them now."""
+        drv = cuda_driver.driver()
+        known = {e[0]: e for e in (old.entries if old is not None else ())}
+        segments = {}
+        for source in self._sources.get(ordinal, []):
+            segments.update(dict(source()))
+        drv.push(ordinal)
+        try:
+            for ptr in self._registered.get(ordinal, ()):
+                base, size = drv.address_range(ptr)
+                segments[base] = size
+            entries = []
+            for base, size in segments.items():
+                e = known.get(base)
+                bid = drv.buffer_id(base)
+                if e is None or e[1] != size or e[3] != bid:
+                    e = (base, size, drv.ipc_handle(base), bid)
+                entries.append(e)
+        finally:
+            drv.pop()
+        return _KeptTable(entries)
 
 
 @dataclass
@@ -189,7 +214,7 @@ class _Mapping:
 
 
 class CudaIpcReader:
-    """Maps senders' segments and copies their tensors into targets."""
+    """Maps senders' kept segments once and copies their tensors into targets."""
 
     max_kept_senders = 4
 
@@ -198,14 +223,15 @@ class CudaIpcReader:
         self.kept: Dict[Tuple[str, int], _Mapping] = {}  # (sender, base) -> mapping
         self._ordinals: Dict[str, Optional[int]] = {}
         self._tables: Dict[int, tuple] = {}  # id(targets ptrs) -> (ptrs, src, device table)
-        # id(part) -> (part, (kept generation, ordinal), its tensors' addresses here): a
-        # description of kept memory read again (a lane names it) is not looked at again
-        # while none of the kept mappings closed (each close bumps the generation).
+        # id(part) -> (part, (generation, ordinal), its tensors' addresses here): a
+        # description read again (a lane names it) is not looked at again while no
+        # mapping closed (each close bumps the generation).
         self._resolved: Dict[int, tuple] = {}
-        self._kept_gen = 0
+        self._gen = 0
         self._no_kernel: Optional[str] = None
         self._fences: Dict[int, torch.cuda.Event] = {}  # ordinal -> this reader's event
         self._unsettled: Optional[torch.cuda.Event] = None  # a fenced copy not yet waited for here
+        self._watch: Optional[threading.Thread] = None
 
     def fence(self, ordinal: int) -> torch.cuda.Event:
         """The inter-process event a fenced read on GPU ``ordinal`` records
@@ -253,137 +279,109 @@ class CudaIpcReader:
     def read(self, part: IpcPart, targets: Targets, device, copy: bool = True,
              fence: bool = False) -> ReadResult:
         """Copy ``part``'s tensors into ``targets`` (all on ``device``).
-        ``copy=False``: map the kept segments only (and make the copy's kernel
-        table of a description wholly in kept memory). ``fence``: when every
-        segment is kept, return once the copy is queued, with this reader's
-        event recorded after it (``res.fenced``; see the module docstring).
-        Raises :class:`MappingFailed` before any byte moved when a segment
-        cannot be mapped (another reader, e.g. NIXL, may still serve the read)."""
+        ``copy=False``: map its segments only (and make the copy's kernel
+        table). ``fence``: return once the copy is queued, with this
+        reader's event recorded after it (``res.fenced``). Raises
+        :class:`MappingFailed` before any byte moved when a segment cannot be
+        mapped (another reader, e.g. NIXL, may still serve the read)."""
         t0 = time.perf_counter()
         targets.check(part.nbytes)
         dst_ord = device.index if device.index is not None else torch.cuda.current_device()
         src_ord = self.ordinal(part.device_uuid)
         res = ReadResult("cuda_ipc", len(targets.tensors), int(part.nbytes.sum()), 0.0)
-        transient: List[int] = []
         stream = torch.cuda.current_stream(dst_ord)
         with self.lock:
             drv = cuda_driver.driver()
             drv.push(dst_ord)
-            launched = False
             try:
                 self._settle_locked()
-                src = self._sources(drv, part, dst_ord, res, transient, copy)
+                src = self._sources(drv, part, dst_ord, res, copy)
                 if copy and len(targets.tensors):
                     t1 = time.perf_counter()
-                    launched = True
                     res.method = self._copy(drv, targets, src, part.nbytes, src_ord, dst_ord)
-                    if fence and not transient:
+                    if fence:
                         ev = self._fence_locked(dst_ord)
                         ev.record(stream)
                         self._unsettled, res.fenced = ev, True
                     else:
                         stream.synchronize()
-                    launched = False
                     res.copy_seconds = time.perf_counter() - t1
-                elif len(targets.tensors) and part.kept_id and src_ord == dst_ord:
+                elif len(targets.tensors) and src_ord == dst_ord:
                     kernel = self._kernel(dst_ord)
                     if kernel is not None:  # the first read's table, made now
                         self._table(kernel, targets, src, part.nbytes)
                         stream.synchronize()  # (a pull may run on another stream)
             finally:
-                if launched:  # a copy may still read the mappings: let it end first
-                    try:
-                        stream.synchronize()
-                    except Exception:  # pragma: no cover - the CUDA error is raised already
-                        pass
-                for ptr in transient:  # after the copy: the sender may free it now
-                    self._close(drv, ptr)
-                res.closed = len(transient)
                 drv.pop()
         res.seconds = time.perf_counter() - t0
         return res
 
+    def _sources(self, drv, part: IpcPart, ordinal: int, res: ReadResult, copy: bool) -> np.ndarray:
+        """Where ``part``'s tensors are in this process, mapping what is not mapped."""
+        hit = self._resolved.get(id(part))
+        if hit is not None and hit[0] is part and hit[1] == (self._gen, ordinal):
+            res.reused += len(part.segments)
+            return hit[2]
+        src = self._map(drv, part, ordinal, res, touch=not copy)[part.seg] + part.offset
+        if len(self._resolved) >= 1024:
+            self._resolved.clear()
+        self._resolved[id(part)] = (part, (self._gen, ordinal), src)
+        return src
+
+    def _map(self, drv, part: IpcPart, ordinal: int, res: ReadResult, touch: bool) -> np.ndarray:
+        out = np.zeros(len(part.segments), np.int64)
+        opened: List[Tuple[int, int]] = []
+        for i, (base, size, handle) in enumerate(part.segments):
+            key = (part.sender, base)
+            m = self.kept.get(key)
+            if m is not None and (m.handle != handle or m.size != size or m.ordinal != ordinal):
+                self._close(drv, self.kept.pop(key).ptr)  # freed and allocated anew
+                self._gen += 1
+                m = None
+            if m is None:
+                try:
+                    ptr = drv.ipc_open(handle)
+                except CudaDriverError as e:
+                    raise MappingFailed(f"cuIpcOpenMemHandle: {e}") from e
+                m = self.kept[key] = _Mapping(handle, size, ptr, ordinal, part.pid)
+                opened.append((ptr, size))
+                res.opened += 1
+            else:
+                res.reused += 1
+            out[i] = m.ptr
+        if len({s for s, _ in self.kept}) > self.max_kept_senders:
+            self._evict_oldest(drv, part.sender)
+        if opened:
+            self._start_watch()
+            if touch:
+                self._touch(opened, ordinal)
+        return out
+
     def map_kept(self, part: IpcPart, device) -> int:
-        """Map ``part``'s kept segments now (before any read needs them);
-        returns how many were opened."""
+        """Map ``part``'s segments now (before a read needs them); returns how many opened."""
         ordinal = device.index if device.index is not None else 0
         res = ReadResult("cuda_ipc", 0, 0, 0.0)
         with self.lock:
             drv = cuda_driver.driver()
             drv.push(ordinal)
             try:
-                self._map(drv, part, ordinal, res, [], copy=False)
+                self._map(drv, part, ordinal, res, touch=True)
             finally:
                 drv.pop()
         return res.opened
 
-    def _sources(self, drv, part: IpcPart, ordinal: int, res: ReadResult, transient: List[int],
-                 copy: bool) -> np.ndarray:
-        """Where ``part``'s tensors are in this process, mapping what is not mapped."""
-        hit = self._resolved.get(id(part))
-        if hit is not None and hit[0] is part and hit[1] == (self._kept_gen, ordinal):
-            res.reused += len(part.segments)
-            return hit[2]
-        src = self._map(drv, part, ordinal, res, transient, copy)[part.seg] + part.offset
-        if part.kept_id and not transient:  # every segment is kept: mapped now, and stays
-            if len(self._resolved) >= 1024:
-                self._resolved.clear()
-            self._resolved[id(part)] = (part, (self._kept_gen, ordinal), src)
-        return src
-
-    def _map(self, drv, part: IpcPart, ordinal: int, res: ReadResult, transient: List[int],
-             copy: bool) -> np.ndarray:
-        out = np.zeros(len(part.segments), np.int64)
-        ahead: List[Tuple[int, int]] = []  # kept segments mapped before any read needs them
-        for i, (base, size, handle, keep) in enumerate(part.segments):
-            key = (part.sender, base)
-            m = self.kept.get(key)
-            if m is not None and (m.handle != handle or m.size != size or m.ordinal != ordinal):
-                self._close(drv, self.kept.pop(key).ptr)  # freed and allocated anew
-                self._kept_gen += 1
-                m = None
-            if m is None:
-                if not (keep or copy):
-                    continue  # a prepare maps only what stays mapped
-                try:
-                    ptr = drv.ipc_open(handle)
-                except CudaDriverError as e:
-                    for p in transient:
-                        self._close(drv, p)
-                    transient.clear()
-                    raise MappingFailed(f"cuIpcOpenMemHandle: {e}") from e
-                res.opened += 1
-                if keep:
-                    m = self.kept[key] = _Mapping(handle, size, ptr, ordinal, part.pid)
-                    if not copy:
-                        ahead.append((ptr, size))
-                else:
-                    transient.append(ptr)
-                    out[i] = ptr
-                    continue
-            else:
-                res.reused += 1
-            out[i] = m.ptr
-        if len({s for s, _ in self.kept}) > self.max_kept_senders:
-            self._evict_oldest(drv, part.sender)
-        if ahead:
-            self._touch(ahead, ordinal)
-        return out
-
     def _touch(self, mappings: List[Tuple[int, int]], ordinal: int) -> None:
-        """Read kept segments mapped ahead of use once (into a scratch chunk):
-        the first update's copy otherwise pays for the first touch of its
-        source pages (the first copy ran 1.3-1.6x a later one)."""
+        """Read segments mapped ahead of use once (into a scratch chunk): the
+        first update's copy otherwise pays for the first touch of its source
+        pages (the first copy ran 1.3-1.6x a later one)."""
         kernel = self._kernel(ordinal)
         if kernel is None:  # (said once by _kernel)
             return
         try:
-            device = torch.device("cuda", ordinal)
-            scratch = torch.empty(cuda_driver.CHUNK_BYTES, dtype=torch.uint8, device=device)
+            scratch = torch.empty(cuda_driver.CHUNK_BYTES, dtype=torch.uint8, device=torch.device("cuda", ordinal))
             src = np.array([p for p, _ in mappings], np.int64)
             n = np.array([size for _, size in mappings], np.int64)
-            dst = np.full(len(src), scratch.data_ptr(), np.int64)
-            table = kernel.table(dst, src, n, same_dst=True)  # every chunk lands on the scratch chunk
+            table = kernel.table(np.full(len(src), scratch.data_ptr(), np.int64), src, n, same_dst=True)
             stream = torch.cuda.current_stream(ordinal)
             kernel.launch(table.data_ptr(), table.numel() // 3, stream.cuda_stream)
             stream.synchronize()
@@ -422,7 +420,7 @@ class CudaIpcReader:
 
     def _table(self, kernel, targets: Targets, src: np.ndarray, nbytes: np.ndarray):
         """The kernel's device table; the last one of these targets is reused
-        when the sources are the same (a kept segment, the same offsets)."""
+        when the sources are the same."""
         cached = self._tables.get(id(targets.ptrs))
         if cached is not None and cached[0] is targets.ptrs and np.array_equal(cached[1], src):
             return cached[2]
@@ -445,12 +443,17 @@ class CudaIpcReader:
             if sender != current:
                 self._release_locked(drv, lambda key, m, s=sender: key[0] == s)
 
+    def _start_watch(self) -> None:
+        if self._watch is None:
+            self._watch = threading.Thread(target=_watch_senders, args=(weakref.ref(self),),
+                                           name="rdt-ipc-watch", daemon=True)
+            self._watch.start()
+
     def release(self, sender: Optional[str] = None, gone_only: bool = False) -> int:
         """Close the kept mappings of ``sender`` (every sender: None;
         ``gone_only``: only those of sender processes that exited)."""
         if not self.kept:
             return 0
-
         alive: Dict[int, bool] = {}  # one look per sender process
 
         def match(key, m) -> bool:
@@ -463,13 +466,13 @@ class CudaIpcReader:
             return not alive[m.pid]
 
         with self.lock:
-            drv = cuda_driver.driver()
-            return self._release_locked(drv, match)
+            return self._release_locked(None, match)
 
     def _release_locked(self, drv, match) -> int:
         keys = [k for k, m in self.kept.items() if match(k, m)]
         if not keys:
             return 0
+        drv = drv or cuda_driver.driver()
         by_ordinal: Dict[int, List[int]] = {}
         for k in keys:
             m = self.kept.pop(k)
@@ -483,7 +486,7 @@ class CudaIpcReader:
                 drv.pop()
         self._tables.clear()  # a table may point into a closed mapping
         self._resolved.clear()
-        self._kept_gen += 1
+        self._gen += 1
         return len(keys)
 
     def stats(self) -> Dict[str, int]:
@@ -492,3 +495,19 @@ class CudaIpcReader:
                     "kept_bytes": sum(m.size for m in self.kept.values()),
                     "kept_senders": len({s for s, _ in self.kept})}
 
+
+def _watch_senders(reader_ref) -> None:
+    """Close the kept mappings of senders whose process is gone (their memory
+    stays allocated while mapped), every :data:`WATCH_S`, while the reader lives."""
+    while True:
+        time.sleep(WATCH_S)
+        reader = reader_ref()
+        if reader is None:
+            return
+        try:
+            n = reader.release(gone_only=True)
+            if n:
+                logger.info("[RDT] closed %d kept CUDA IPC mappings of exited senders", n)
+        except Exception as e:  # pragma: no cover - the next look tries again
+            logger.warning("[RDT] closing mappings of exited senders failed: %s", e)
+        del reader

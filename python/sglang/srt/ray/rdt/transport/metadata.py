@@ -18,15 +18,15 @@ from sglang.srt.ray.rdt.transport.compat import transport_base_classes
 
 CommunicatorMetadata, _TransportManager, TensorTransportMetadata = transport_base_classes()
 
-# (segment base in the sender, segment size, 64-byte IPC handle, kept): a
-# kept segment belongs to memory its sender keeps across updates (the
-# client's staging pool): readers keep it mapped until the sender releases it.
-Segment = Tuple[int, int, bytes, bool]
+# (segment base in the sender, segment size, 64-byte IPC handle) of memory its
+# sender keeps for the readers (the trainer's staging pool, a registered
+# buffer): readers keep it mapped until the sender releases it or exits.
+Segment = Tuple[int, int, bytes]
 
 
 @dataclass
 class IpcPart:
-    """GPU tensors as CUDA IPC handles of the segments that hold them."""
+    """GPU tensors in kept memory, as CUDA IPC handles of the segments that hold them."""
 
     node_id: str
     sender: str  # one token per sender process
@@ -36,8 +36,8 @@ class IpcPart:
     seg: np.ndarray  # per tensor: index into segments (int64)
     offset: np.ndarray  # per tensor: byte offset in its segment (int64)
     nbytes: np.ndarray  # per tensor (int64)
-    # A description of kept memory the sender remembers: unique in the sender
-    # process, so a lane sends the description once and names it after (0: not remembered).
+    # Unique in the sender process: a lane sends a description once and
+    # names it after (the same tensors' places, update after update).
     kept_id: int = 0
 
 
@@ -81,9 +81,8 @@ class ReadResult:
     seconds: float
     reason: Optional[str] = None  # why not a same-node read (path "nixl")
     method: str = ""  # how the bytes moved: kernel | batch | ce | process_vm_readv | nixl
-    opened: int = 0  # CUDA IPC mappings opened for this read
-    reused: int = 0  # mappings found open (kept segments)
-    closed: int = 0  # mappings of segments not kept, closed after the copy
+    opened: int = 0  # CUDA IPC mappings opened for this read (kept after it)
+    reused: int = 0  # mappings found open
     copy_seconds: float = 0.0  # (a fenced read: queuing the copy)
     fenced: bool = False  # the copy may still run: see cuda_ipc.CudaIpcReader.fence
 

@@ -1,40 +1,40 @@
 """Same-node reads: this process's sender identity, its exporter and its reader.
 
 A sender describes tensors so that a process on its node can read them
-without a network stack (:func:`export`): GPU tensors by the CUDA IPC handles
-of their segments (:mod:`.cuda_ipc`), host-memory tensors by their addresses
-for ``process_vm_readv`` (:mod:`.cma`). The description travels in an
-``SGLANG_IPC`` ref or a request on a rank's call lane; a reader reads it into
-its targets (:func:`read`). One exporter and one reader per process;
-:func:`token` is the process's identity as a sender.
+without a network stack (:func:`export`): GPU tensors in kept memory (the
+staging pool, registered buffers) by the CUDA IPC handles of their segments
+(:mod:`.cuda_ipc`; any other GPU tensor is refused, the trainer gathers it
+into kept memory first), host-memory tensors by their addresses for
+``process_vm_readv`` (:mod:`.cma`: nothing is mapped). The description
+travels in an ``SGLANG_IPC`` ref or a request on a rank's call lane; a
+reader reads it into its targets (:func:`read`). One exporter and one reader
+per process; :func:`token` is the process's identity as a sender.
 """
 
 from __future__ import annotations
 
 import threading
 import uuid
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
 from sglang.srt.ray.rdt.transport import tensor_scan
 from sglang.srt.ray.rdt.transport.cma import CmaPath, export_cma
-from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader
+from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader, KeptSource, NotKept
 from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransportMetadata, Targets
 
-__all__ = ["Targets", "export", "unkept_bytes", "read", "fence", "settle", "unusable", "release", "token", "node_id",
-           "reach"]
+__all__ = ["Targets", "export", "kept_mask", "keep", "NotKept", "read", "fence", "settle", "unusable", "release",
+           "token", "node_id", "reach"]
 
 _TOKEN = uuid.uuid4().hex
-_lock = threading.Lock()  # guards building the exporter and readers once, and the keepers
+_lock = threading.Lock()  # guards building the exporter and readers once
 _exporter: Optional[CudaIpcExporter] = None
 _ipc_reader: Optional[CudaIpcReader] = None
 _cma: Optional[CmaPath] = None
 _node_id: Optional[str] = None
 _reach: Optional[Dict[str, Any]] = None
-# Per GPU: whether a segment base is kept memory (the trainer's staging pool).
-_keepers: Dict[int, Callable[[int], bool]] = {}
 
 
 def token() -> str:
@@ -67,30 +67,37 @@ def _parts():
     global _exporter, _ipc_reader, _cma
     with _lock:
         if _exporter is None:
-            _exporter = CudaIpcExporter(_TOKEN, _keepers.get)
+            _exporter = CudaIpcExporter(_TOKEN)
             _ipc_reader, _cma = CudaIpcReader(), CmaPath()
         return _exporter, _ipc_reader, _cma
 
 
-def set_keeper(ordinal: int, holds: Optional[Callable[[int], bool]]) -> None:
-    """Declare (or, with None, withdraw) which segments of GPU ``ordinal``
-    this process keeps until it releases the readers (the staging pool)."""
-    with _lock:
-        if holds is None:
-            _keepers.pop(ordinal, None)
-        else:
-            _keepers[ordinal] = holds
-    if holds is None and _exporter is not None:
-        _exporter.forget_kept(ordinal)
+def keep(ordinal: int, source: KeptSource, add: bool = True) -> None:
+    """Declare (``add=False``: withdraw, before it is freed) ``source``, a
+    function listing ``(base, size)`` of segments of GPU ``ordinal`` this
+    process keeps for the readers (the staging pool)."""
+    exporter = _parts()[0]
+    (exporter.add_source if add else exporter.remove_source)(ordinal, source)
 
 
-def export(tensors, with_specs: bool = True, check=None, scan=None) -> SglangIpcTransportMetadata:
-    """Describe ``tensors`` (contiguous, on one device; ``with_specs=False``:
-    without shapes and dtypes; ``scan``: their :class:`~.tensor_scan.Scan`,
-    when the caller has it; ``check()``: raises unless they are all on the
-    first one's device, asked unless they sit where a remembered description
-    of kept memory says) for a same-node reader. The caller makes sure queued
-    work on them is done before anyone reads them."""
+def keep_registered(tensor) -> None:
+    """``tensor``'s storage is kept by its owner (it registered it with NIXL)."""
+    _parts()[0].keep_registered(tensor.device.index, tensor.untyped_storage().data_ptr())
+
+
+def kept_mask(scan) -> np.ndarray:
+    """Per tensor of ``scan`` (GPU tensors of one device): whether it lies in kept memory."""
+    if not len(scan):
+        return np.zeros(0, bool)
+    return _parts()[0].kept_mask(scan.ptrs, scan.nbytes, int(scan.device[0]))
+
+
+def export(tensors, with_specs: bool = True, scan=None) -> SglangIpcTransportMetadata:
+    """Describe ``tensors`` (contiguous, on one device; GPU tensors in kept
+    memory, else :class:`NotKept`; ``with_specs=False``: without shapes and
+    dtypes; ``scan``: their :class:`~.tensor_scan.Scan`, when the caller has
+    it) for a same-node reader. The caller makes sure queued work on them is
+    done before anyone reads them."""
     meta = SglangIpcTransportMetadata(
         tensor_meta=[(tuple(t.shape), t.dtype) for t in tensors] if with_specs else [],
         tensor_device=tensors[0].device.type if tensors else None)
@@ -102,26 +109,22 @@ def export(tensors, with_specs: bool = True, check=None, scan=None) -> SglangIpc
         return meta
     if scan is None:
         scan = tensor_scan.scan(tensors)
+    return describe(scan.ptrs, scan.nbytes, device, meta)
+
+
+def describe(ptrs: np.ndarray, nbytes: np.ndarray, device,
+             meta: Optional[SglangIpcTransportMetadata] = None) -> SglangIpcTransportMetadata:
+    """A same-node description of the bytes at ``ptrs`` (``nbytes`` each) on
+    ``device`` (host memory, or kept GPU memory: :class:`NotKept` otherwise)."""
+    if meta is None:
+        meta = SglangIpcTransportMetadata(tensor_meta=[], tensor_device=device.type)
     if device.type == "cpu":
-        if check is not None:
-            check()
-        meta.cma = export_cma(scan.ptrs, scan.nbytes, _TOKEN, node_id())
+        meta.cma = export_cma(ptrs, nbytes, _TOKEN, node_id())
         if meta.cma is None:
             meta.ipc_unavailable = "/proc is not readable here"
     else:
-        meta.ipc = _parts()[0].export(scan.ptrs, scan.nbytes, device.index, node_id(), check)
+        meta.ipc = _parts()[0].export(ptrs, nbytes, device.index, node_id())
     return meta
-
-
-def unkept_bytes(meta: SglangIpcTransportMetadata) -> int:
-    """How many bytes of the GPU tensors ``meta`` describes lie outside kept
-    memory (the staging pool): a reader maps their segments for one read and
-    closes them after, every time."""
-    part = meta.ipc
-    if part is None or part.kept_id:
-        return 0
-    kept = np.array([s[3] for s in part.segments], dtype=bool)
-    return int(part.nbytes[~kept[part.seg]].sum())
 
 
 def unusable(meta: SglangIpcTransportMetadata, device) -> Optional[str]:
@@ -173,7 +176,7 @@ def settle() -> None:
 
 
 def map_kept(meta: SglangIpcTransportMetadata, device) -> int:
-    """Map the kept segments of ``meta`` (GPU) now, before a read needs them.
+    """Map the segments of ``meta`` (GPU) now, before a read needs them.
     Returns how many opened."""
     if meta.ipc is None or unusable(meta, device) is not None:
         return 0

@@ -76,9 +76,26 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
                 tensor_meta=[(tuple(t.shape), t.dtype) for t in rdt_object], tensor_device="cuda",
                 ipc_unavailable="tensors on several devices")
         else:
-            meta = same_node.export(rdt_object)
+            meta = self._same_node_part(rdt_object)
         meta.nixl = nixl
         return meta
+
+    @staticmethod
+    def _same_node_part(tensors) -> SglangIpcTransportMetadata:
+        """Host memory, or GPU memory kept for readers (the client's staging
+        pool, a buffer registered with NIXL): readers on this node map it once.
+        Other GPU memory gets no same-node part (it is read through NIXL)."""
+        if tensors[0].is_cuda:
+            for t in tensors:
+                if compat.nixl_registered(t):
+                    same_node.keep_registered(t)
+        try:
+            return same_node.export(tensors)
+        except same_node.NotKept as e:
+            return SglangIpcTransportMetadata(
+                tensor_meta=[(tuple(t.shape), t.dtype) for t in tensors], tensor_device="cuda",
+                ipc_unavailable=f"{e}: register it with ray.experimental.register_nixl_memory, "
+                                "or put tensors made inside WeightSyncClient.staging()")
 
     def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata,
                               target_buffers=None):

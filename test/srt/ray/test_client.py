@@ -910,3 +910,24 @@ def test_make_demo_syncs_three_versions_and_leaves_nothing_running():
         or f"--port {port}" in " ".join(p.info["cmdline"] or [])
     ]
     assert leftovers == [] and not Path(ray_dir).exists()
+
+
+def test_a_failed_update_returns_only_after_every_rank_stopped_reading_the_callers_tensors(calm):
+    """Rank 1's lane breaks as the step is sent, after rank 0 (slow to start
+    reading) was sent its pull: update() raises only once rank 0 read; the
+    trainer overwrites its tensors the moment it gets the error, and no byte
+    of that reaches a rank."""
+    toy = calm
+    with toy_client(toy, export="direct") as client:  # host memory, read in place
+        client.update(new_weights(seed=71), version="before")
+        toy.ray.get(toy.ranks[0].configure.remote(delay_s=1.0))
+        client.lanes.links[1]._sock.close()  # the lane to rank 1 is gone: its send fails
+        weights = new_weights(seed=72)
+        with pytest.raises(WeightSyncError):
+            client.update(weights, version="broken")
+        for t in weights.values():
+            t.fill_(666.0)  # the trainer reuses its memory at once
+        toy.ray.get(toy.ranks[0].configure.remote(delay_s=0.0))
+        state = states(toy, toy.ranks[:1])[0]
+    assert all(torch.equal(state[n], t) for n, t in new_weights(seed=72).items())  # read whole, before
+    assert not any((v == 666.0).any() for v in state.values())

@@ -208,11 +208,15 @@ class Update:
         fence = True
         for (rg, group), (ref, meta) in zip(step, flight.sources):
             for r in self.rank_groups[rg]:
-                if r in self.route.lanes:
-                    call = c.lanes.pull(r, group, meta, timeout, finalize=finalize, fence=fence)
-                    self.lane_calls += 1
-                else:
-                    call = c.ranks[r].actor.pull_weights.remote([ref], group.names, timeout)
+                try:
+                    if r in self.route.lanes:
+                        call = c.lanes.pull(r, group, meta, timeout, finalize=finalize, fence=fence)
+                        self.lane_calls += 1
+                    else:
+                        call = c.ranks[r].actor.pull_weights.remote([ref], group.names, timeout)
+                except Exception as e:  # (the pulls already sent are settled: the flight holds them)
+                    raise WeightSyncRankError(r, c.ranks[r].name, f"pull of step {index + 1}", e,
+                                              [(r, e)]) from e
                 flight.calls.append((r, call))
             if self.stream and self.strict:  # (a mapping was checked whole before)
                 self.sent[rg].update(group.names)

@@ -142,3 +142,62 @@ def test_rank_placement_group_pins_rank_0_here_and_fails_readably_without_enough
     wait_until(lambda: len(live_placement_groups(ray)) == before, 30, what="placement group removed")
     with pytest.raises(ValueError, match="must be one of"):
         create_rank_placement_group("cpu", 2, "EVERYWHERE", timeout_s=3)
+
+
+def test_a_cli_server_whose_port_is_taken_exits_at_once_naming_it(ray_client, ray_head, tiny_model, tmp_path):
+    import socket
+
+    from conftest import start_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        server = start_server(tiny_model, ray_head, ["--backend", "ray", "--enable-rdt-weight-sync",
+                                                     "--ray-namespace", ray_head.namespace],
+                              tmp_path, port=port, wait=False)
+        try:
+            rc = server.proc.wait(timeout=180)  # (sglang's imports take most of it)
+        finally:
+            server.terminate(timeout=10)
+    assert rc != 0
+    assert f"--port {port}: the HTTP server cannot bind 127.0.0.1:{port}" in server.log()
+    assert not [a for a in live_actors(ray_client) if f"_port{port}_" in a.get("Name", "")]
+
+
+def test_a_server_that_cannot_bind_after_launch_shuts_its_engine_down(ray_client, ray_head, tiny_model):
+    """A host actor's own launch_engine + serve_http (no reservation: the
+    port is the caller's to keep free) with the port taken by another
+    process: the server gives up once it cannot listen, its engine is
+    released, and the error names the port."""
+    import socket
+
+    ray = ray_client
+    port = free_port()
+    argv = ["--model-path", str(tiny_model), "--port", str(port), *CPU_SERVER_ARGS,
+            "--backend", "ray", "--enable-rdt-weight-sync", "--engine-info-bootstrap-port", str(free_port())]
+
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class Host:
+        def serve(self, argv):
+            from sglang.srt.ray.http_server import launch_engine, serve_http
+            from sglang.srt.server_args import prepare_server_args
+
+            server_args = prepare_server_args(argv)
+            engine = launch_engine(server_args)
+            try:
+                serve_http(engine, server_args)
+            except RuntimeError as e:
+                return len(engine[3].scheduler_actors), str(e)
+            return len(engine[3].scheduler_actors), None
+
+    host = Host.options(runtime_env={"env_vars": dict(ray_head.env)}).remote()
+    with socket.socket() as taken:  # (this process: another one than the server's)
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        try:
+            n, error = ray.get(host.serve.remote(argv), timeout=420)
+            assert n == 1 and error is not None and f"--port {port}: the HTTP server could not bind" in error
+            wait_until(lambda: not live_actors(ray), 60, what="the engine's actors to be released")
+        finally:
+            ray.kill(host)

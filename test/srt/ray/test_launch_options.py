@@ -44,6 +44,27 @@ def test_resolve_placement_group_prefers_explicit_then_context():
         assert resolve_placement_group(None) == ("ctx", True)
 
 
+def test_the_http_port_is_held_from_before_launch_and_a_taken_one_fails_naming_it():
+    import socket
+
+    from sglang.srt.ray.launch import reserve_http_port
+
+    args = types.SimpleNamespace(host="127.0.0.1", port=0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        args.port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"--port {args.port}: the HTTP server cannot bind "
+                                               rf"127.0.0.1:{args.port} \(Address already in use\)"):
+            reserve_http_port(args)
+    held = reserve_http_port(args)  # free now: held until serve_http hands it to uvicorn
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", args.port))  # e.g. a process group picking free ports
+    finally:
+        held.close()
+
+
 # --------------------------------------------------------------------------- #
 # Device-dependent resources
 # --------------------------------------------------------------------------- #

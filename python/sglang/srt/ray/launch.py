@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional
 
@@ -157,12 +159,35 @@ def start_engine(
     return LaunchedEngine(*started[:5])
 
 
+def reserve_http_port(server_args) -> socket.socket:
+    """Bind the HTTP server's ``--host``/``--port`` now, before anything is
+    launched, and hold it until :func:`serve_http` hands it to uvicorn: a
+    port that cannot be bound fails here, in seconds, with nothing started;
+    and no socket made while the engine starts (a rank's process group
+    picks free ports) can take it meanwhile."""
+    host, port = server_args.host or "0.0.0.0", server_args.port
+    try:
+        family = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn's own bind)
+        sock.bind((host, port))
+    except OSError as e:
+        raise RuntimeError(f"--port {port}: the HTTP server cannot bind {host}:{port} "
+                           f"({e.strerror or e}); choose another --port or stop the process "
+                           "using it") from None
+    return sock
+
+
 def serve_http(
-    engine: LaunchedEngine, server_args, execute_warmup_func=None, launch_callback=None
+    engine: LaunchedEngine, server_args, execute_warmup_func=None, launch_callback=None,
+    reserved_port: Optional[socket.socket] = None,
 ) -> None:
     """Run the HTTP server of a launched engine until it stops (blocking; may
     run on a thread other than the main one); then release the actors
-    (detached ones included) and the placement group it created."""
+    (detached ones included) and the placement group it created.
+    ``reserved_port``: the port's socket :func:`reserve_http_port` holds,
+    let go right before uvicorn binds. A server that never listens (the
+    port was taken after all) shuts the engine down and raises, naming it."""
     launched = LaunchedEngine(*engine)
     from sglang.srt.entrypoints.http_server import (
         _execute_server_warmup,
@@ -174,7 +199,25 @@ def serve_http(
         from sglang.srt.ray.rdt.engine.http_routes import install_weight_sync_routes
 
         install_weight_sync_routes(app, server_args, launched)
+    warmup, never_listened = execute_warmup_func or _execute_server_warmup, []
+
+    def warmup_once_listening(args) -> bool:
+        # sglang's warmup polls the port for two minutes, and a server whose
+        # bind failed waits for it before it exits: go on only once this
+        # process listens there.
+        deadline = time.monotonic() + LISTEN_WAIT_S
+        while not _listening(args.port):
+            if time.monotonic() > deadline:
+                never_listened.append(True)
+                logger.error("the HTTP server never listened on port %s (--port); shutting the "
+                             "engine down", args.port)
+                return False
+            time.sleep(0.1)
+        return warmup(args)
+
     try:
+        if reserved_port is not None:
+            reserved_port.close()
         _setup_and_run_http_server(
             server_args,
             launched.tokenizer_manager,
@@ -182,8 +225,28 @@ def serve_http(
             launched.port_args,
             launched.scheduler_init_result.scheduler_infos,
             launched.subprocess_watchdog,
-            execute_warmup_func=execute_warmup_func or _execute_server_warmup,
+            execute_warmup_func=warmup_once_listening,
             launch_callback=launch_callback,
         )
+    except SystemExit:
+        if never_listened:
+            raise RuntimeError(f"--port {server_args.port}: the HTTP server could not bind "
+                               f"{server_args.host}:{server_args.port}; the engine was shut down. "
+                               "Choose another --port or stop the process using it.") from None
+        raise
     finally:
+        if launched.subprocess_watchdog is not None:
+            launched.subprocess_watchdog.stop()  # (the engine goes down on purpose)
         launched.scheduler_init_result.release()
+
+
+# How long the HTTP server may take to listen once the engine is up.
+LISTEN_WAIT_S = 30.0
+
+
+def _listening(port: int) -> bool:
+    """Whether this process has a listening TCP socket on ``port``."""
+    import psutil
+
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+               for c in psutil.Process().net_connections("tcp"))

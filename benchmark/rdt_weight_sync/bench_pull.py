@@ -146,7 +146,7 @@ def main(argv: List[str] = None) -> int:
     ap.add_argument("--dtype", choices=list(workloads.DTYPES), default="bf16")
     ap.add_argument("--modes", default="stable,fresh,stream", help="trainer modes (trainer.py)")
     ap.add_argument("--variants", default="", help="more client rows, ';'-separated mode:key=value,... "
-                    "(e.g. 'fresh-outside;fresh:export=buckets;stable:transport=nixl')")
+                    "(e.g. 'outside;cat;fresh:export=buckets;stable:transport=nixl')")
     ap.add_argument("--rounds", type=int, default=8, help="updates per client row (the first is cold)")
     ap.add_argument("--bucket-mib", type=float, default=None, help="group/slot size (1024 cuda / 4 cpu)")
     ap.add_argument("--peers", default="per_tensor,buckets", help="peer rows (cuda)")

@@ -1,15 +1,21 @@
-"""The benchmark's trainer: what trainers send, three ways, through the product's client.
+"""The benchmark's trainer: what trainers send, many ways, through the product's client.
 
-Trainer modes (``--modes``):
+Trainer modes (``--modes``, ``--variants``):
 
 * ``stable`` — the same tensors every update, refilled in place (allocated
   once in the client's staging pool, as the client's docs tell a trainer with
   persistent send buffers to do);
 * ``fresh`` — new tensors with the same contents every update, made right
   before the call inside ``client.staging()`` (a gather/convert step);
-  ``fresh-outside`` makes them outside the pool (a trainer that ignores it);
-* ``stream`` — a generator that makes each tensor as it is consumed and drops
-  it after, passed to ``update()`` (a gather loop under memory pressure).
+* made with plain PyTorch outside the pool, as RL frameworks make them:
+  ``outside`` (``clone``), ``cat`` (each fused from two halves with
+  ``torch.cat``, as q/k/v and gate/up are), ``cast`` (through a wider
+  integer type and back: a conversion kernel's output), ``views`` (views of
+  one flat buffer, as a flattened parameter store holds them) and ``strided``
+  (transposed views of the trainer's own storage: not contiguous);
+* ``stream`` — a generator that makes each tensor (``clone``) as it is
+  consumed and drops it after, passed to ``update()`` (a gather loop under
+  memory pressure); ``stream-pooled`` makes them inside ``client.staging()``.
 
 Every update: the trainer's source tensors hold the round's pattern, the rank
 poisons its parameters first and checks every byte after. Per update the
@@ -86,18 +92,24 @@ class BenchTrainer:
         if mode == "fresh":
             with client.staging():
                 return {n: t.clone() for n, t in zip(self.names, self.base)}
-        if mode == "fresh-outside":
-            return {n: t.clone() for n, t in zip(self.names, self.base)}
+        if mode in OUTSIDE:
+            return dict(zip(self.names, OUTSIDE[mode](self.base)))
         if mode == "stream":
             return self._stream()
+        if mode == "stream-pooled":
+            return self._stream(client.staging)
         raise ValueError(f"unknown trainer mode {mode!r}")
 
-    def _stream(self):
-        """The stream's generator; ``self._made_s``: the seconds it spent making tensors."""
+    def _stream(self, making=None):
+        """The stream's generator (each tensor made inside ``making()``, if
+        given); ``self._made_s``: the seconds it spent making tensors."""
+        import contextlib
+
         self._made_s = 0.0
         for n, t in zip(self.names, self.base):
             t0 = time.perf_counter()
-            new = t.clone()
+            with making() if making is not None else contextlib.nullcontext():
+                new = t.clone()
             self._made_s += time.perf_counter() - t0
             yield n, new
 
@@ -170,7 +182,7 @@ class BenchTrainer:
                 "generator_seconds": self._made_s,
                 **{k: d[k] for k in ("path", "transport", "lane_calls", "held_bytes", "begin_seconds",
                                      "end_seconds", "plan_seconds", "bytes", "tensors",
-                                     "outside_pool_bytes")},
+                                     "gathered_bytes", "pool_bytes")},
                 "check": ray.get(rank.verify.remote(seed))}
 
     # -- ceilings in this process ------------------------------------------------- #
@@ -260,6 +272,51 @@ class BenchTrainer:
             del fresh
             out.append({"seconds": seconds, "check": ray.get(rank.verify.remote(seed))})
         return {"updates": out}
+
+
+def _cat(base):
+    """Each tensor fused from its two halves (``torch.cat``): a new allocation per tensor."""
+    return [torch.cat(t.chunk(2)) if t.shape[0] > 1 else t.clone() for t in base]
+
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _cast(base):
+    """Each tensor through a wider integer type and back (bit-exact): a conversion's output."""
+    return [t.view(_INT[t.element_size()]).to(torch.int64).to(_INT[t.element_size()]).view(t.dtype)
+            for t in base]
+
+
+def _views(base):
+    """Views of one flat buffer holding every tensor (a flattened parameter store)."""
+    flat = torch.empty(sum(t.nbytes for t in base), dtype=torch.uint8, device=base[0].device)
+    out, at = [], 0
+    for t in base:
+        v = flat[at:at + t.nbytes].view(t.dtype).view(t.shape)
+        v.copy_(t)
+        out.append(v)
+        at += t.nbytes
+    return out
+
+
+def _strided(base):
+    """Transposed views of storage laid out the other way (2-D), or every other
+    element of a buffer twice the size (1-D): right shape and bytes, not contiguous."""
+    out = []
+    for t in base:
+        if t.dim() >= 2:
+            out.append(t.transpose(0, 1).contiguous().transpose(0, 1))
+        else:
+            store = torch.empty(2 * t.numel(), dtype=t.dtype, device=t.device)
+            store[::2].copy_(t)
+            out.append(store[::2])
+    return out
+
+
+# Tensors made outside the staging pool, the ways trainers make them.
+OUTSIDE = {"outside": lambda base: [t.clone() for t in base],
+           "cat": _cat, "cast": _cast, "views": _views, "strided": _strided}
 
 
 class CollectorWatch:

@@ -8,6 +8,10 @@
 * ``moe``: the routed experts of ``--moe-layers`` layers of Qwen3-30B-A3B
   (128 experts x gate/up/down, 3 MiB each in bf16: 3072 tensors, 9 GiB for
   8 layers) — what dominates an MoE model's update;
+* ``many-small``: 12288 tensors of 0.75 MiB (9 GiB): what costs per tensor shows;
+* ``mixed-moe``: a whole MoE model of ``--moe-layers`` layers of Qwen3-30B-A3B
+  shapes: embeddings and lm_head (~600 MiB each), attention, norms (256 B),
+  routers and experts: ~3.1k tensors from 256 B to 600 MiB;
 * ``tiny``: a small decoder for CPU runs.
 
 Shapes come from the models' configurations written out here (no download,
@@ -27,7 +31,8 @@ Spec = Tuple[str, Tuple[int, ...], torch.dtype]
 
 QWEN3_4B = dict(vocab=151936, hidden=2560, inter=9728, layers=36, heads=32, kv_heads=8, head_dim=128)
 TINY = dict(vocab=2048, hidden=128, inter=384, layers=4, heads=4, kv_heads=2, head_dim=32)
-QWEN3_30B_A3B = dict(hidden=2048, moe_inter=768, experts=128, layers=48)
+QWEN3_30B_A3B = dict(hidden=2048, moe_inter=768, experts=128, layers=48, vocab=151936, heads=32,
+                     kv_heads=4, head_dim=128)
 
 
 def uniform(n: int, mib: float, dtype: torch.dtype) -> List[Spec]:
@@ -68,6 +73,25 @@ def moe_experts(layers: int, dtype: torch.dtype, cfg: Dict[str, int] = QWEN3_30B
     return out
 
 
+def mixed_moe(layers: int, dtype: torch.dtype, cfg: Dict[str, int] = QWEN3_30B_A3B) -> List[Spec]:
+    """A whole MoE model (untied embeddings): every kind and size of tensor a trainer sends."""
+    h, hd = cfg["hidden"], cfg["head_dim"]
+    q, kv = cfg["heads"] * hd, cfg["kv_heads"] * hd
+    experts = moe_experts(layers, dtype, cfg)
+    out: List[Spec] = [("model.embed_tokens.weight", (cfg["vocab"], h), dtype)]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        out += [(n, s, dtype) for n, s in (
+            (f"{p}.input_layernorm.weight", (h,)), (f"{p}.self_attn.q_proj.weight", (q, h)),
+            (f"{p}.self_attn.k_proj.weight", (kv, h)), (f"{p}.self_attn.v_proj.weight", (kv, h)),
+            (f"{p}.self_attn.o_proj.weight", (h, q)), (f"{p}.self_attn.q_norm.weight", (hd,)),
+            (f"{p}.self_attn.k_norm.weight", (hd,)), (f"{p}.post_attention_layernorm.weight", (h,)),
+            (f"{p}.mlp.gate.weight", (cfg["experts"], h)))]
+        out += [e for e in experts if e[0].startswith(f"{p}.")]
+    out += [("model.norm.weight", (h,), dtype), ("lm_head.weight", (cfg["vocab"], h), dtype)]
+    return out
+
+
 def workload(name: str, args) -> Tuple[List[Spec], Dict[str, Any]]:
     """The specs of workload ``name`` and a description of it."""
     dtype = DTYPES[args.dtype]
@@ -78,10 +102,15 @@ def workload(name: str, args) -> Tuple[List[Spec], Dict[str, Any]]:
         specs = dense_decoder(QWEN3_4B, dtype, fused=name == "qwen3-4b")
     elif name == "moe":
         specs = moe_experts(args.moe_layers, dtype)
+    elif name == "many-small":
+        specs = uniform(12288, 0.75, dtype)
+    elif name == "mixed-moe":
+        specs = mixed_moe(args.moe_layers, dtype)
     elif name == "tiny":
         specs = dense_decoder(TINY, dtype, fused=True)
     else:
-        raise SystemExit(f"unknown workload {name!r} (uniform, qwen3-4b, qwen3-4b-hf, moe, tiny)")
+        raise SystemExit(f"unknown workload {name!r} (uniform, qwen3-4b, qwen3-4b-hf, moe, many-small, "
+                         "mixed-moe, tiny)")
     nbytes = sum(int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for _, s, d in specs)
     sizes = sorted(int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for _, s, d in specs)
     return specs, {"tensors": len(specs), "bytes": nbytes, "dtype": args.dtype,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 BENCH = ROOT / "benchmark" / "rdt_weight_sync" / "bench_pull.py"
-MODES = ("stable", "fresh", "stream")
+MODES = ("stable", "fresh", "stream", "cat", "strided")
 
 
 def test_bench_pull_cpu_mode_checks_bytes_and_prints_every_mode_with_its_ratio(ray_head, tmp_path):
@@ -46,7 +46,7 @@ def test_bench_pull_cpu_mode_checks_bytes_and_prints_every_mode_with_its_ratio(r
     assert set(rows) == set(MODES), log
     for mode, row in rows.items():
         # CPU tensors: bucket slots that the rank reads over its lane with process_vm_readv
-        assert row["path"] == "buckets (cma)", (mode, row)
+        assert row["path"].startswith("buckets (cma, "), (mode, row)  # (how much was gathered)
         assert re.fullmatch(r"[0-9]+\.[0-9] ms", row["whole update"]), (mode, row)
         assert re.fullmatch(r"\*\*[0-9]+\.[0-9]{2}x\*\*", row["ratio"]), (mode, row)
         assert row["bytes"] == "ok", (mode, row)
@@ -55,7 +55,10 @@ def test_bench_pull_cpu_mode_checks_bytes_and_prints_every_mode_with_its_ratio(r
     assert re.search(r"^Stream ceiling \(the generator \+ a copy_ loop in-process\): [0-9.]+ ms$", out_text, re.M), log
     # The targets, each met or not (figures of a loaded CPU box mean nothing).
     for mode in MODES:
-        assert re.search(rf"^tiny {mode}: first [0-9.]+x median <= 1\.5x: (met|NOT met)$", proc.stdout, re.M), log
+        if mode in ("cat", "strided"):  # made outside the staging pool: the bound that matters
+            assert re.search(rf"^tiny {mode}: [0-9.]+x >= 0\.45x: (met|NOT met)$", proc.stdout, re.M), log
+        else:
+            assert re.search(rf"^tiny {mode}: first [0-9.]+x median <= 1\.5x: (met|NOT met)$", proc.stdout, re.M), log
 
     # The results file behind the table.
     res = json.loads(out.read_text())
@@ -69,7 +72,7 @@ def test_bench_pull_cpu_mode_checks_bytes_and_prints_every_mode_with_its_ratio(r
         for u in run["updates"]:
             assert (u["path"], u["transport"], u["tensors"]) == ("buckets", "cma", 34), u
             assert u["lane_calls"] == u["steps"] >= 1, u  # one lane call per step (one rank)
-            assert u["outside_pool_bytes"] == 0, u  # copied into the slots: nothing read in place
+            assert u["gathered_bytes"] >= u["bytes"], u  # gathered into the slots: nothing read in place
             # the calling thread over update(): CPU time within its wall time, switches counted
             th = u["trainer_thread"]
             assert 0 < th["cpu_seconds"] <= u["seconds"] + 1e-3, (th, u["seconds"])

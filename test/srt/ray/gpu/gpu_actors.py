@@ -103,22 +103,42 @@ class GpuTrainer:
                 "why_not_direct": route.why_not_direct}
 
     def update(self, n: int, numel: int, seed: int, version: str, die_after_steps: int = 0,
-               stream: bool = False, outside_pool: bool = False) -> Dict[str, Any]:
-        """One update of fresh tensors (made now, in the client's staging
-        pool, as a trainer's gather step makes them; ``stream``: a generator
-        that makes each as the update consumes it; ``outside_pool``: made
-        before the call, outside the pool). ``die_after_steps``: this
+               stream: bool = False, made: str = "pool", bad_name_at: int = -1,
+               overwrite: bool = False) -> Dict[str, Any]:
+        """One update of fresh tensors, ``made``: in the client's staging pool
+        (``pool``, as a trainer's gather step makes them), or outside it by a
+        ``clone`` (``outside``), fused from two halves with ``torch.cat``
+        (``cat``) or as every other element of a buffer twice the size
+        (``strided``: not contiguous); ``stream``: a generator that makes each
+        in the pool as the update consumes it (``bad_name_at``: tensor k
+        under a name the rank does not have). ``die_after_steps``: this
         process SIGKILLs itself once that many steps landed, while the next
-        steps' pulls are in flight on the rank. Returns the client's figures,
-        or the error it raised (type, cause's type, message)."""
-        made = ((name, pattern(numel, seed, i, self.device)) for i, name in enumerate(weight_names(n)))
+        steps' pulls are in flight on the rank. ``overwrite``: every tensor is
+        overwritten (-1) the moment ``update()`` returns or raises. Returns the
+        client's figures, or the error it raised (type, cause's type, message)."""
+        def make(i):
+            t = pattern(numel, seed, i, self.device)
+            if made == "cat":
+                return torch.cat(t.chunk(2))
+            if made == "strided":
+                store = torch.full((2 * numel,), -1.0, device=self.device)
+                store[::2].copy_(t)
+                return store[::2]
+            return t
+
+        def generate():
+            for i, name in enumerate(weight_names(n)):
+                with self.client.staging():
+                    yield ("no.such.parameter" if i == bad_name_at else name), make(i)
+
         if stream:
-            named = made
-        elif outside_pool:
-            named = dict(made)
-        else:
+            named = generate()
+        elif made == "pool":
             with self.client.staging():
-                named = dict(made)
+                named = {name: make(i) for i, name in enumerate(weight_names(n))}
+        else:
+            named = {name: make(i) for i, name in enumerate(weight_names(n))}
+        kept = [] if stream else list(named.values())
 
         def progress(step, done, total):
             if die_after_steps and done >= die_after_steps:
@@ -129,8 +149,14 @@ class GpuTrainer:
         except Exception as e:
             return {"error": type(e).__name__, "cause": type(getattr(e, "cause", None)).__name__,
                     "message": str(e)}
+        finally:
+            if overwrite:
+                for t in kept:
+                    t.fill_(-1.0)
+                torch.cuda.synchronize(self.device)
         d = stats.as_dict()
-        keys = ("path", "transport", "lane_calls", "tensors", "bytes", "held_bytes", "outside_pool_bytes")
+        keys = ("path", "transport", "lane_calls", "tensors", "bytes", "held_bytes", "gathered_bytes",
+                "pool_bytes")
         return {k: d[k] for k in keys} | {"steps": len(d["buckets"])}
 
     def client_warnings(self) -> List[str]:
@@ -149,6 +175,12 @@ class GpuTrainer:
             t.fill_(-1.0)
         torch.cuda.synchronize(self.device)
         return {"steps": [dict(b.rank_timing) for b in stats.buckets], "transport": stats.transport}
+
+    def release(self) -> int:
+        """``client.release()``; returns what the staging pool held before."""
+        held = self.client.pool_bytes()
+        self.client.release()
+        return held
 
     def close(self) -> bool:
         if self.client is not None:

@@ -44,7 +44,15 @@ def test_the_table_made_on_the_gpu_holds_every_chunk_of_every_copy_in_order(same
     assert rows == chunks_of(dst, src, SIZES, same_dst)
 
 
-def test_copy_tensors_copies_every_byte_of_odd_sizes_and_offsets_with_one_table():
+def _copy(dst, src):
+    from sglang.srt.ray.rdt.transport.metadata import addresses
+
+    d, n = addresses(dst)
+    cuda_driver.copy_ptrs(0, d, addresses(src)[0], n)
+    torch.cuda.synchronize()
+
+
+def test_copy_ptrs_copies_every_byte_of_odd_sizes_and_offsets_with_one_table():
     g = torch.Generator(device="cuda").manual_seed(0)
     pool = torch.randint(0, 256, (sum(SIZES) + 64 * len(SIZES),), dtype=torch.uint8, device="cuda",
                          generator=g)
@@ -54,13 +62,13 @@ def test_copy_tensors_copies_every_byte_of_odd_sizes_and_offsets_with_one_table(
         src.append(pool[at:at + n])
         at += n
     dst = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in SIZES]
-    cuda_driver.copy_tensors(dst, src)
+    _copy(dst, src)
     for d, s in zip(dst, src):
         assert torch.equal(d, s)
     # thousands of copies in one table (an MoE model's experts)
     many_src = [pool[i * 517:i * 517 + 4099] for i in range(3000)]
     many_dst = [torch.zeros(4099, dtype=torch.uint8, device="cuda") for _ in range(3000)]
-    cuda_driver.copy_tensors(many_dst, many_src)
+    _copy(many_dst, many_src)
     assert all(torch.equal(d, s) for d, s in zip(many_dst, many_src))
 
 

@@ -75,7 +75,7 @@ def test_fresh_tensors_every_update_land_byte_for_byte_over_cuda_ipc(gpu_ray):
             assert "error" not in out, out
             assert (out["path"], out["transport"], out["tensors"]) == ("direct", "cuda_ipc", N), out
             assert out["lane_calls"] == out["steps"] == 1, out  # one rank, one group (a mapping)
-            assert out["outside_pool_bytes"] == 0, out
+            assert out["gathered_bytes"] == 0 and out["pool_bytes"] >= out["bytes"], out  # read in place
             assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(seed)
         assert ray.get(rank.pointers.remote(), timeout=60) == ptrs  # written in place
         st = status(rank)
@@ -90,29 +90,53 @@ def test_fresh_tensors_every_update_land_byte_for_byte_over_cuda_ipc(gpu_ray):
         ray.kill(rank)
 
 
-def test_tensors_made_outside_the_staging_pool_land_are_counted_and_named_once(gpu_ray):
-    """Fresh tensors a trainer makes outside ``client.staging()``: the rank
-    maps their memory for each update and closes it after; the bytes land,
-    ``outside_pool_bytes`` counts them, and one warning names the fix."""
+@pytest.mark.parametrize("made", ["outside", "cat", "strided"])
+def test_tensors_made_outside_the_staging_pool_are_gathered_into_the_slots(gpu_ray, made):
+    """Fresh tensors a trainer makes with plain PyTorch (a clone, a fusing
+    torch.cat, a non-contiguous view): one rule, the rank never maps them,
+    they are gathered into the client's slots (mapped once) and land byte for
+    byte; client.release() gives the trainer's GPU memory back."""
     rank = GpuRank.options(**actor_options()).remote(N, NUMEL)
     trainer = GpuTrainer.options(**actor_options()).remote()
     try:
         assert ray.get(trainer.connect.remote(rank), timeout=300)["direct"] is True
-        for seed in (21, 22):
-            out = ray.get(trainer.update.remote(N, NUMEL, seed, f"v{seed}", outside_pool=True), timeout=300)
+        mapped = []
+        for seed in (21, 22, 23):
+            out = ray.get(trainer.update.remote(N, NUMEL, seed, f"v{seed}", made=made), timeout=300)
             assert "error" not in out, out
-            assert (out["path"], out["transport"]) == ("direct", "cuda_ipc"), out
-            assert out["outside_pool_bytes"] == out["bytes"] == N * NUMEL * 4, out
+            assert (out["path"], out["transport"]) == ("buckets", "cuda_ipc"), out
+            assert out["gathered_bytes"] >= out["bytes"] == N * NUMEL * 4, out
             assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(seed)
-        out = ray.get(trainer.update.remote(N, NUMEL, 23, "v23"), timeout=300)  # in the pool
-        assert out["outside_pool_bytes"] == 0, out
-        assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(23)
-        told = [w for w in ray.get(trainer.client_warnings.remote(), timeout=60) if "staging pool" in w]
-        assert told == ["[RDT] 32.0 MiB of this update's tensors were read from outside the staging pool: "
-                        "the ranks map that memory anew in every update and close it after (several times "
-                        "slower); make them inside `with client.staging():` or in a generator passed to "
-                        "update()"], told
-        assert status(rank)["weight_version"] == "v23"
+            mapped.append(status(rank)["kept_mappings"]["kept_mappings"])
+        assert mapped[0] >= 1 and mapped == [mapped[0]] * 3  # the slots, mapped once
+        assert ray.get(trainer.release.remote(), timeout=120) > 0
+        assert status(rank)["kept_mappings"]["kept_mappings"] == 0
+        out = ray.get(trainer.update.remote(N, NUMEL, 24, "v24", made=made), timeout=300)  # made again
+        assert "error" not in out and ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(24)
+    finally:
+        ray.kill(trainer)
+        ray.kill(rank)
+
+
+def test_a_failed_update_returns_once_the_rank_copied_and_the_trainer_may_reuse_its_memory(gpu_ray):
+    """A stream whose fourth tensor is refused (a name the rank lacks) after
+    three groups went out: update() raises only once the rank's copies of
+    them are done; the trainer overwrites every tensor at once, and the rank
+    holds the update's bytes for those groups, never the overwrite's."""
+    rank = GpuRank.options(**actor_options()).remote(N, NUMEL)
+    trainer = GpuTrainer.options(**actor_options()).remote()
+    try:
+        assert ray.get(trainer.connect.remote(rank, bucket_bytes=STREAM_BUCKET), timeout=300)["direct"] is True
+        assert "error" not in ray.get(trainer.update.remote(N, NUMEL, 1, "v1"), timeout=300)
+        out = ray.get(trainer.update.remote(N, NUMEL, 2, "v2", stream=True, bad_name_at=3, overwrite=True),
+                      timeout=300)
+        assert out["error"] == "WeightSyncError" and "no.such.parameter" in out["message"], out
+        sums = ray.get(rank.get_parameter_checksums.remote(), timeout=120)
+        new, old = expected(2), expected(1)
+        assert all(sums[n] == new[n] for n in NAMES[:3])  # sent before the refusal: whole
+        assert all(sums[n] == old[n] for n in NAMES[3:])
+        st = status(rank)
+        assert (st["weights_consistent"], st["update_open"], st["weight_version"]) == (False, False, "v1")
     finally:
         ray.kill(trainer)
         ray.kill(rank)
@@ -180,6 +204,9 @@ def test_a_trainer_that_dies_mid_update_leaves_no_torn_tensor_and_the_rank_recov
         assert all(sums[n] == old[n] for n in NAMES[4:])  # groups never sent
         assert all(sums[n] in (old[n], new[n]) for n in NAMES[1:4])  # whole, one or the other
 
+        # The dead trainer's memory is not held: its mappings close within seconds.
+        wait_until(lambda: status(rank)["kept_mappings"]["kept_mappings"] == 0, 30, interval=0.1,
+                   what="the rank to close the dead trainer's mappings")
         # A restarted trainer's complete update: the rank is whole again.
         second = GpuTrainer.options(**actor_options()).remote()
         assert ray.get(second.connect.remote(rank), timeout=300)["direct"] is True

@@ -26,9 +26,12 @@ class ModelPort:
     """A model that serves nothing: pausing and the session are flags; the
     update's end calls ``post_load`` (if given)."""
 
-    def __init__(self, model: torch.nn.Module, post_load: Optional[Callable[[], None]] = None):
+    def __init__(self, model: torch.nn.Module, post_load: Optional[Callable[[], None]] = None,
+                 lora_layout: Optional[Callable[[dict], dict]] = None):
         self.model = model
         self.post_load = post_load
+        self._lora_layout = lora_layout  # config -> {PEFT key: shape}: adapters this "model" takes
+        self.lora_served: dict = {}  # adapter name -> the bytes it would serve (host copies)
         self.is_paused = False
         self.is_session_open = False
         self.version: Optional[str] = None
@@ -70,6 +73,15 @@ class ModelPort:
 
     def weight_version(self) -> Optional[str]:
         return self.version
+
+    def lora_layout(self, config: dict):
+        if self._lora_layout is None:
+            raise RuntimeError("this model takes no LoRA adapters")
+        param = next(iter(self.model.parameters()))
+        return self._lora_layout(config), param.dtype, param.device
+
+    def lora_apply(self, stash) -> None:
+        self.lora_served[stash.name] = {k: t.detach().cpu().clone() for k, t in stash.tensors.items()}
 
 
 class ServingLoop:

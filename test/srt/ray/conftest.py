@@ -273,6 +273,28 @@ def rdt_server(ray_head, ray_client, tiny_model, tmp_path_factory):
     s.terminate()
 
 
+# sglang's own model code with LoRA served on the CPU (torch_native backend).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_ARGS = ["--model-impl", "sglang", "--enable-lora", "--lora-backend", "torch_native", "--max-lora-rank", "8",
+             "--max-loras-per-batch", "4", "--lora-target-modules", *LORA_TARGETS]
+
+
+@pytest.fixture(scope="session")
+def tp2_server(ray_head, ray_client, tiny_model, tmp_path_factory):
+    """One ``--tp-size 2`` CPU server (sglang's model code over gloo, one core
+    per rank, LoRA on), shared by the modules that drive a multi-rank engine
+    (test_group_calls, test_lora_sync) and leave it consistent; they depend on
+    no particular base checkpoint being served when they start."""
+    s = start_server(
+        tiny_model, ray_head,
+        ["--backend", "ray", "--enable-rdt-weight-sync", "--tp-size", "2", "--ray-namespace", ray_head.namespace,
+         *LORA_ARGS],
+        tmp_path_factory.mktemp("tp2-server"), env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}, idle_sleep=False,
+    )
+    yield s
+    s.terminate()
+
+
 @pytest.fixture
 def launch_server(ray_head, tiny_model, tmp_path):
     servers: List[Server] = []

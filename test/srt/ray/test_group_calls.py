@@ -22,7 +22,7 @@ import time
 import pytest
 import requests
 
-from conftest import start_server, wait_until
+from conftest import wait_until
 from sglang.srt.managers.scheduler_group_calls import GroupCall, GroupCallError, GroupCalls
 
 
@@ -125,26 +125,20 @@ ROUNDS = 50
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tiny_model, tmp_path_factory):
     from tiny_model import build_tiny_model
 
-    root = tmp_path_factory.mktemp("churn")
-    return [build_tiny_model(root / f"m{seed}", seed=seed) for seed in (0, 1)]
+    return [tiny_model, build_tiny_model(tmp_path_factory.mktemp("churn") / "m1", seed=1)]
 
 
 @pytest.mark.slow
 def test_tp2_engine_under_load_survives_rounds_of_updates_aborts_expiries_and_refusals(
-        models, ray_head, ray_client, tmp_path_factory):
+        models, ray_head, ray_client, tp2_server):
     from sglang.srt.ray.rdt import WeightSyncClient
     from sglang.srt.ray.rdt.errors import WeightSyncError
     from tiny_model import checkpoint_state_dict, hf_greedy
 
-    server = start_server(
-        models[0], ray_head,
-        ["--backend", "ray", "--model-impl", "sglang", "--enable-rdt-weight-sync", "--tp-size", "2",
-         "--ray-namespace", ray_head.namespace],
-        tmp_path_factory.mktemp("tp2-churn"), env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"},
-        idle_sleep=False)
+    server = tp2_server
     sds = [checkpoint_state_dict(m) for m in models]
     expected = [{p: hf_greedy(m, p, N) for p in PROMPTS} for m in models]
     assert all(expected[0][p] != expected[1][p] for p in PROMPTS)
@@ -163,8 +157,6 @@ def test_tp2_engine_under_load_survives_rounds_of_updates_aborts_expiries_and_re
                               bucket_bytes=64 * 1024, call_timeout_s=60)  # no url: the caller pauses
     clients = [http, paused]
     loaders = [threading.Thread(target=load, args=(p,), daemon=True) for p in PROMPTS]
-    for t in loaders:
-        t.start()
 
     def post(path, body=None, ok=True):
         r = requests.post(f"{server.url}{path}", json=body or {}, timeout=120)
@@ -178,6 +170,9 @@ def test_tp2_engine_under_load_survives_rounds_of_updates_aborts_expiries_and_re
     try:
         for c in clients:
             c.register()
+        http.update(sds[0], version="start", layout="hf")  # (whatever an earlier module left served)
+        for t in loaders:
+            t.start()
         for i in range(ROUNDS):
             kind = ("http", "paused", "abort", "expire", "refused")[i % 5]
             kinds.append(kind)
@@ -213,10 +208,10 @@ def test_tp2_engine_under_load_survives_rounds_of_updates_aborts_expiries_and_re
     finally:
         stop.set()
         for t in loaders:
-            t.join(timeout=180)
+            if t.ident is not None:
+                t.join(timeout=180)
         for c in clients:
             c.close()
-        server.terminate()
     assert not errors, errors[:3]
     assert not any(t.is_alive() for t in loaders), "a request never answered"
     assert len(answers) >= ROUNDS, len(answers)  # requests ran all along

@@ -101,6 +101,20 @@ class RankActorApi:
         this rank reports its weights as inconsistent until a clean update ends."""
         return self._sync().abort(reason)
 
+    def register_lora_adapter(self, lora_name: str, config_dict: Dict[str, Any],
+                              lora_id: Optional[str] = None) -> Dict[str, Any]:
+        """Register LoRA adapter ``lora_name`` (``config_dict``: its PEFT
+        adapter_config) for weight sync on this rank's TP/PP group (call it on
+        the group's first rank): created zeroed, or kept when registered with
+        the same config (its slot and weights). Its tensors then travel in a
+        weight update as ``"{lora_name}:{PEFT key}"``, unsharded; the answer
+        lists them (``expected_tensors``: name -> shape, ``dtype``). To serve
+        the adapter by name, register it with ``POST /register_lora_adapter``
+        (which calls this on every group)."""
+        import uuid
+
+        return self._sync().register_lora(lora_name, config_dict, lora_id or uuid.uuid4().hex)
+
     def get_weight_sync_status(self) -> Dict[str, Any]:
         """Consistency, the update in progress, registration, counters, reach."""
         if self._rdt_sync is None:

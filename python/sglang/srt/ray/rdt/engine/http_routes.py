@@ -8,6 +8,7 @@ drive an update; these add:
     POST /weight_sync/begin   {"lease_s": 300, "drain_timeout_s": 120}
     POST /weight_sync/end     {"weight_version": "7", "flush_cache": true, "session_id": ...}
     POST /weight_sync/abort   {"reason": "...", "session_id": ...}
+    POST /register_lora_adapter {"lora_name": ..., "config_dict": {PEFT adapter_config}}
     GET  /weight_sync/status  the session, the engine-wide view and every rank's status
 
 ``/weight_sync/*`` is that lifecycle with a drain and a lease (:mod:`.session`);
@@ -95,6 +96,14 @@ def install_weight_sync_routes(app, server_args, launched) -> WeightSyncSession:
         body = body or {}
         return await call(session.abort(body.get("reason", "update aborted by the trainer"),
                                         body.get("session_id")))
+
+    @app.post("/register_lora_adapter")
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def register_lora_adapter(request: Request, body: Dict[str, Any] = Body(...)):
+        if not isinstance(body.get("lora_name"), str) or not isinstance(body.get("config_dict"), dict):
+            return ORJSONResponse({"success": False, "message": 'expected {"lora_name": str, "config_dict": '
+                                   "{PEFT adapter_config}}"}, status_code=HTTPStatus.BAD_REQUEST)
+        return await call(session.register_lora(body["lora_name"], body["config_dict"]))
 
     @app.get("/weight_sync/status")
     async def weight_sync_status(request: Request):

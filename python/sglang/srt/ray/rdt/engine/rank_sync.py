@@ -18,22 +18,21 @@ another), the same-node reader's lock.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
 from sglang.srt.ray.rdt.defaults import PAUSE_GRACE_S, PULL_TIMEOUT_S, SAFE_POINT_TIMEOUT_S
+from sglang.srt.ray.rdt.engine.lora_sync import RankLoRA
+from sglang.srt.ray.rdt.engine.rank_status import RankStatus, parameter_checksums, parameter_layout
 from sglang.srt.ray.rdt.engine.receiver import RdtWeightReceiver
 from sglang.srt.ray.rdt.engine.scheduler_port import SchedulerPort
 from sglang.srt.ray.rdt.engine.sources import sources_of
 from sglang.srt.ray.rdt.engine.update_state import RankUpdateState
-from sglang.srt.ray.rdt.errors import (WeightsInconsistentError, WeightSyncError, WeightUpdateConflictError,
-                                       dtype_name)
+from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError, WeightUpdateConflictError
 from sglang.srt.ray.rdt.transport import same_node
 
 logger = logging.getLogger(__name__)
@@ -66,45 +65,6 @@ def failure_kind(exc: BaseException) -> Optional[str]:
     return "other"
 
 
-@dataclass
-class RankStatus:
-    """What ``get_weight_sync_status`` reports (a dict at the actor's edge)."""
-
-    enabled: bool = True
-    weights_consistent: bool = True
-    inconsistent_reason: Optional[str] = None
-    weight_version: Optional[str] = None
-    update_open: bool = False
-    update_in_progress: Optional[Dict[str, Any]] = None
-    updates: int = 0
-    failed_updates: int = 0
-    failures: Dict[str, int] = field(default_factory=dict)
-    last_update: Optional[Dict[str, Any]] = None
-    pulls: int = 0
-    failed_pulls: int = 0
-    tensors: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    last_pull: Optional[Dict[str, Any]] = None
-    registered: bool = False
-    registrations: int = 0
-    weights_released: bool = False
-    registration_disabled_reason: Optional[str] = None
-    transports: List[str] = field(default_factory=list)
-    # where this rank reads same-node sources from: its Ray node, the GPUs it sees
-    ipc_reach: Optional[Dict[str, Any]] = None
-    device_uuid: Optional[str] = None
-    lane: Dict[str, Any] = field(default_factory=lambda: {"open": False})
-    kept_mappings: Dict[str, int] = field(default_factory=dict)
-    event_loop: str = "not_started"
-    idle_sleep: str = "off"
-    # where begin/finalize/abort go: the first rank of a TP/PP group
-    group_entry: bool = True
-
-    def as_dict(self) -> Dict[str, Any]:
-        return asdict(self)
-
-
 class RankWeightSync:
     def __init__(self, port: SchedulerPort, safe_point, *, rank: str = "",
                  device: Optional[torch.device] = None, pull_timeout_s: float = PULL_TIMEOUT_S,
@@ -113,10 +73,12 @@ class RankWeightSync:
         self.device = device
         self.safe_point = safe_point
         self.transports = list(transports)
-        self.state = RankUpdateState(param_names=lambda: self.receiver.param_names(), rank=rank,
-                                     weight_version=port.weight_version)
+        # (the model's parameters: LoRA adapters' tensors are named "{lora}:{key}")
+        self.state = RankUpdateState(param_names=lambda: [n for n in self.receiver.param_names() if ":" not in n],
+                                     rank=rank, weight_version=port.weight_version)
+        self.lora = RankLoRA(port)
         self.receiver = RdtWeightReceiver(
-            lambda: dict(port.named_parameters()), device=device, pull_timeout_s=pull_timeout_s,
+            lambda: dict(self._params()), device=device, pull_timeout_s=pull_timeout_s,
             registration_disabled_reason=registration_disabled_reason, state=self.state,
         )
         self.lane = None  # a RankLane once a trainer on this node opened one
@@ -125,6 +87,11 @@ class RankWeightSync:
         # Collectives of a multi-rank group (TP/PP) run as group calls
         # (managers/scheduler_group_calls.py); None: a group of one rank.
         self.group = None
+
+    def _params(self):
+        """What a pull may write: the model's parameters and the registered adapters' tensors."""
+        yield from self.port.named_parameters()
+        yield from self.lora.named_tensors()
 
     # -- the same-node lane ---------------------------------------------------- #
     def open_lane(self, sender: str, pid: int = 0, probe=None) -> Dict[str, Any]:
@@ -313,7 +280,19 @@ class RankWeightSync:
             return self._finalize_here(*args)
         if op == "abort":
             return self._abort_here(*args)
+        if op == "lora_register":
+            out = self.lora.register(*args)
+            if out["status"] != "unchanged":
+                self.receiver.on_weights_loaded()  # new stash tensors: the next pull walks
+            return out
         raise WeightSyncError(f"unknown group call {op!r}")
+
+    def register_lora(self, lora_name: str, config: Dict[str, Any], lora_id: str) -> Dict[str, Any]:
+        """Register LoRA adapter ``lora_name`` on every rank of the group (:mod:`.lora_sync`)."""
+        try:
+            return self.on_group("lora_register", lora_name, dict(config), lora_id)
+        finally:
+            self.prepare_next_pull()
 
     def begin(self) -> Dict[str, Any]:
         return self.on_group("begin")
@@ -362,6 +341,7 @@ class RankWeightSync:
         if self.port.session_open():
             self.port.end_session(abort=reason)  # its listener drops the update
         else:
+            self.lora.restore(self.state.written_names())
             self.state.abort(reason)  # (an update under a plain pause: this rank's alone)
             self._update_ended()
         return self.state.status()
@@ -385,7 +365,13 @@ class RankWeightSync:
     def _end_update(self, flush: bool) -> Dict[str, Any]:
         """The update's end (scheduler thread): flush the prefix cache when
         asked and weights were written, close the state. Returns its summary."""
-        extra = {}
+        extra, written = {}, self.state.written_names()
+        try:  # the LoRA adapters it wrote are served from here on
+            extra["adapters"] = self.lora.commit(written, self.port.weight_version())
+        except Exception as e:
+            reason = f"a LoRA adapter written in this update could not be served ({type(e).__name__}: {e})"
+            logger.error("[RDT] %s", reason)
+            self.state.transfer_failed([n for n in written if ":" in n], reason)
         if flush and self.state.wrote_weights:
             extra["flushed_cache"] = self.port.flush_cache()
             if not extra["flushed_cache"]:
@@ -421,6 +407,7 @@ class RankWeightSync:
         if not self.state.update_open:
             return None  # ended (finalize) or aborted already
         if aborted is not None:
+            self.lora.restore(self.state.written_names())
             self.state.abort(aborted)
             self._update_ended()
             self.prepare_next_pull()
@@ -446,7 +433,8 @@ class RankWeightSync:
                         lane=self.lane.status() if self.lane is not None else {"open": False},
                         kept_mappings=same_node.stats(),
                         event_loop=self.safe_point.state,
-                        group_entry=self.group is None or self.group.entry)
+                        group_entry=self.group is None or self.group.entry,
+                        lora_adapters=self.lora.status())
         if "SGLANG_IPC" in self.transports:
             try:
                 from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
@@ -469,10 +457,10 @@ class RankWeightSync:
         }
 
     def parameter_layout(self) -> Dict[str, Dict[str, Any]]:
-        return parameter_layout(self.port.named_parameters())
+        return parameter_layout(self._params())
 
     def parameter_checksums(self) -> Dict[str, str]:
-        return self.on_scheduler(lambda: parameter_checksums(self.port.named_parameters()))
+        return self.on_scheduler(lambda: parameter_checksums(self._params()))
 
     def shutdown(self) -> int:
         if self.lane is not None:
@@ -480,18 +468,3 @@ class RankWeightSync:
         n = self.receiver.deregister()
         self.receiver.close()
         return n
-
-
-def parameter_layout(named_parameters) -> Dict[str, Dict[str, Any]]:
-    """``{name: {"shape", "dtype", "data_ptr"}}``: what a pull expects."""
-    return {name: {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "data_ptr": p.data_ptr()}
-            for name, p in named_parameters}
-
-
-def parameter_checksums(named_parameters) -> Dict[str, str]:
-    """sha256 of every parameter's bytes."""
-    out = {}
-    for name, p in named_parameters:
-        data = p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        out[name] = hashlib.sha256(data.tobytes()).hexdigest()
-    return out

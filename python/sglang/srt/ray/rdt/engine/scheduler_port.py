@@ -40,6 +40,12 @@ class SchedulerPort(Protocol):
 
     def weight_version(self) -> Optional[str]: ...
 
+    def lora_layout(self, config: dict) -> Tuple[dict, torch.dtype, torch.device]:
+        """A LoRA adapter's PEFT tensors (``{key: shape}``), their dtype and device."""
+
+    def lora_apply(self, stash) -> None:
+        """Serve the adapter ``stash`` holds (``adapter_stash.AdapterStash``), in place."""
+
 
 class SglangSchedulerPort:
     """:class:`SchedulerPort` over sglang's ``Scheduler`` (on its own thread)."""
@@ -95,3 +101,39 @@ class SglangSchedulerPort:
             return get_serving().weight_version
         except Exception:
             return None
+
+    # -- LoRA adapters (sglang's LoRA manager: --enable-lora) ------------------ #
+    def _lora_manager(self):
+        manager = getattr(self.scheduler.tp_worker.model_runner, "lora_manager", None)
+        if manager is None:
+            from sglang.srt.ray.rdt.errors import WeightSyncError
+
+            raise WeightSyncError("LoRA is off on this engine: start it with --enable-lora (and "
+                                  "--max-lora-rank, --lora-target-modules for adapters registered later)")
+        return manager
+
+    def lora_layout(self, config: dict):
+        from sglang.srt.lora.adapter_stash import expected_tensors
+        from sglang.srt.lora.lora_config import LoRAConfig
+        from sglang.srt.ray.rdt.errors import WeightSyncError
+
+        manager = self._lora_manager()
+        cfg = LoRAConfig.from_dict(config, base_vocab_size=manager.base_hf_config.vocab_size)
+        if cfg.use_dora or cfg.hf_config.get("use_rslora") or not manager.memory_pool.can_support(cfg):
+            raise WeightSyncError(
+                f"LoRA config r={cfg.r}, target_modules={cfg.target_modules} does not fit this engine: "
+                f"r must be <= --max-lora-rank ({manager.max_lora_rank}) and the targets within "
+                f"--lora-target-modules; DoRA and rsLoRA are not served")
+        layout = expected_tensors(manager.lora_modules, cfg.target_modules, cfg.r)
+        if not layout:
+            raise WeightSyncError(f"no layer of this model is targeted by {cfg.target_modules}")
+        return layout, manager.memory_pool.dtype, manager.device
+
+    def lora_apply(self, stash) -> None:
+        from sglang.srt.lora.lora_registry import LoRARef
+        from sglang.srt.ray.rdt.errors import WeightSyncError
+
+        ref = LoRARef(lora_id=stash.lora_id, lora_name=stash.name, lora_path="__tensor__", pinned=False)
+        out = self._lora_manager().upsert_lora_adapter_from_tensors(ref, dict(stash.tensors), stash.config)
+        if not out.success:
+            raise WeightSyncError(f"LoRA adapter {stash.name}: {out.error_message}")

@@ -29,6 +29,9 @@ from sglang.srt.ray.rdt.errors import WeightSyncSessionError
 
 logger = logging.getLogger(__name__)
 
+# The lora_path of adapters made from tensors (sglang's own tensor loads use it too).
+TENSOR_PATH = "__tensor__"
+
 
 class WeightSyncSession:
     """Front-door update session; one per engine, used from its event loop."""
@@ -138,6 +141,32 @@ class WeightSyncSession:
             logger.error("[RDT] aborting the update on the ranks failed: %s", e)
         logger.error("[RDT] update session %s aborted: %s", self._session_id, reason)
         await self._release()
+
+    async def register_lora(self, lora_name: str, config_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """``POST /register_lora_adapter``: the adapter on every rank (created
+        zeroed, or kept: its id, slot and weights), then its name served by
+        the tokenizer manager. Returns the first rank group's answer (what a
+        trainer sends) with every group's."""
+        from sglang.srt.lora.lora_registry import LoRARef
+        from sglang.srt.ray.rdt.ranks import call_ranks_async
+
+        if not getattr(self._tm, "lora_registry", None):
+            raise WeightSyncSessionError("LoRA is off on this engine: start it with --enable-lora, "
+                                         "--max-lora-rank and --lora-target-modules")
+        known = self._tm.lora_registry.get_all_adapters().get(lora_name)
+        if known is not None and known.lora_path != TENSOR_PATH:
+            raise WeightSyncSessionError(f"LoRA adapter {lora_name!r} was loaded from {known.lora_path}; "
+                                         "unload it first, or register another name")
+        ref = known or LoRARef(lora_name=lora_name, lora_path=TENSOR_PATH, pinned=False)
+        actors = [a for a, st in zip(self.get_actors(), await call_ranks_async(
+            self.get_actors(), "get_weight_sync_status", timeout_s=60)) if st.get("group_entry", True)]
+        try:
+            out = await call_ranks_async(actors, "register_lora_adapter", lora_name, config_dict, ref.lora_id)
+        except Exception as e:
+            raise WeightSyncSessionError(f"registering LoRA adapter {lora_name!r} failed: {e}") from e
+        if known is None:
+            await self._tm.lora_registry.register(ref)
+        return {**out[0], "groups": out}
 
     async def _pause(self) -> None:
         """Pause generation in place unless the caller paused it already."""

@@ -282,6 +282,11 @@ class RankUpdateState:
             self._mark_inconsistent(reason)
             return u.kind
 
+    def written_names(self) -> List[str]:
+        """The parameters the open update wrote so far (none when no update is open)."""
+        with self._lock:
+            return list(self._update.written()) if self._update is not None else []
+
     def interrupted(self, reason: str) -> bool:
         """Something let generation see the update in progress (``reason``):
         if it wrote weights, they are inconsistent until a clean update ends."""

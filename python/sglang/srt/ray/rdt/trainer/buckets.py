@@ -286,7 +286,7 @@ def _mismatch(name: str, shape, dtype, want: tuple, rank: str) -> None:
 def check_strict(sent: Iterable[str], layout: Mapping[str, Any], rank: str) -> None:
     """A strict update sends every parameter of the rank."""
     sent = set(sent)
-    missing = [n for n in layout if n not in sent]
+    missing = [n for n in layout if n not in sent and ":" not in n]  # (a LoRA adapter's are not the model's)
     if missing:
         raise WeightSyncError(f"strict update: {len(missing)} parameters of {rank} are not sent, "
                               f"e.g. {missing[:3]}; send them or pass strict=False")

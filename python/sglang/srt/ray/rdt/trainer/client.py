@@ -354,8 +354,11 @@ class WeightSyncClient:
         try:
             self._reclaim_stuck()
             if layout == "hf":
-                named_tensors = self.hf_resharder(hf_model_path).reshard(
-                    buckets.normalize(named_tensors), strict=strict)
+                named_tensors = buckets.normalize(named_tensors)
+                adapters = {n: t for n, t in named_tensors.items() if ":" in n}  # (unsharded, to every rank)
+                base = {n: t for n, t in named_tensors.items() if ":" not in n}
+                per_rank = self.hf_resharder(hf_model_path).reshard(base, strict=strict) if base else {}
+                named_tensors = {r: {**per_rank.get(r, {}), **adapters} for r in range(len(self.ranks))}
             elif layout != "rollout":
                 raise ValueError(f"layout must be 'rollout' or 'hf', got {layout!r}")
             stats = Update(self, None if version is None else str(version),
@@ -376,6 +379,20 @@ class WeightSyncClient:
                     "wait for it or restart the ranks before the next update")
             self.sender.call("release", flight.slot, flight.token)
             self.stuck.remove(flight)
+
+    def register_lora_adapter(self, lora_name: str, config_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """Register LoRA adapter ``lora_name`` (``config_dict``: its PEFT
+        adapter_config) on the engine: ``POST /register_lora_adapter`` with
+        ``url=`` (the name is then served), else on every rank group. Returns
+        what to send: ``expected_tensors`` (``"{lora_name}:{PEFT key}"`` ->
+        shape) and ``dtype``; then ``update({name: tensor, ...})``."""
+        if self.url:
+            return self.session.post("/register_lora_adapter", {"lora_name": lora_name,
+                                                                 "config_dict": config_dict})
+        import uuid
+
+        lora_id = uuid.uuid4().hex
+        return self._call_entries("register_lora_adapter", lora_name, config_dict, lora_id)[0]
 
     def hf_resharder(self, model_path: Optional[str] = None):
         """The :class:`~.hf_reshard.HFResharder` of this engine, built once

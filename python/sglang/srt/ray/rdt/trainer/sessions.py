@@ -23,7 +23,7 @@ class HttpSession:
     def __init__(self, url: str, lease_s: float, timeout_s: float):
         self.url, self.lease_s, self.timeout_s = url.rstrip("/"), lease_s, timeout_s
 
-    def _post(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
+    def post(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
         import requests
 
         try:
@@ -41,16 +41,16 @@ class HttpSession:
         return data
 
     def begin(self) -> Optional[str]:
-        return self._post("/weight_sync/begin", {"lease_s": self.lease_s})["session_id"]
+        return self.post("/weight_sync/begin", {"lease_s": self.lease_s})["session_id"]
 
     def end(self, session_id: Optional[str], version: Optional[str], flush_cache: bool):
-        return self._post(
+        return self.post(
             "/weight_sync/end",
             {"weight_version": version, "flush_cache": flush_cache, "session_id": session_id},
         )
 
     def abort(self, session_id: Optional[str], reason: str) -> None:
-        self._post("/weight_sync/abort", {"reason": reason, "session_id": session_id})
+        self.post("/weight_sync/abort", {"reason": reason, "session_id": session_id})
 
 
 class EngineSession:

@@ -1,0 +1,166 @@
+"""LoRA adapters pushed as tensors by a weight update: a stash per adapter, committed at the end.
+
+An adapter registered for weight sync (``register_lora_adapter(lora_name,
+config_dict)``) gets a *stash* on every rank: one contiguous tensor per key of
+the adapter as PEFT saves it (``base_model.model.<module>.lora_A.weight``,
+unsharded), carved from one buffer. A weight update writes them like any
+parameter, under ``"{lora_name}:{PEFT key}"`` (checked by name, shape and
+dtype before any byte lands). When the update ends, each adapter it wrote is
+*committed*: sglang's LoRA manager takes the stash's tensors in place
+(``upsert_lora_adapter_from_tensors``: the same id and memory-pool slot; each
+rank keeps its tensor-parallel shard, as a load from disk does). A dropped
+update copies the last committed bytes back into the stash, so the next
+update starts from what is served.
+
+No Ray here: the rank core (``sglang/srt/ray/rdt/engine``) owns the
+:class:`AdapterStashes` of a rank and reaches sglang's LoRA manager through
+its scheduler port.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+# "{lora_name}:{PEFT key}": an adapter's tensor in a weight update.
+SEP = ":"
+PREFIX = "base_model.model."
+# Fused sglang modules and the PEFT modules they stack (in the stacking order).
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def split_name(name: str) -> Optional[Tuple[str, str]]:
+    """``(lora_name, PEFT key)`` of an adapter tensor's name, or None for a model parameter."""
+    lora, sep, key = name.partition(SEP)
+    return (lora, key) if sep and key.startswith(PREFIX) else None
+
+
+def expected_tensors(lora_modules: List[Dict[str, Any]], target_modules: Iterable[str] | str,
+                     r: int) -> Dict[str, Tuple[int, ...]]:
+    """The PEFT keys and unsharded shapes of a rank-``r`` adapter of
+    ``target_modules`` over the LoRA-wrapped layers ``lora_modules`` (sglang's
+    ``LoRAManager.lora_modules``: per layer, ``{module path: wrapped layer}``)."""
+    targets = {"all"} if isinstance(target_modules, str) else {t.split(".")[-1] for t in target_modules}
+    out: Dict[str, Tuple[int, ...]] = {}
+    for layer in lora_modules:
+        for path, module in layer.items():
+            prefix, leaf = path.rsplit(".", 1)
+            for sub, n_in, n_out in _parts(leaf, module.base_layer):
+                if "all" in targets or sub in targets:
+                    key = f"{PREFIX}{prefix}.{sub}"
+                    out[f"{key}.lora_A.weight"] = (r, n_in)
+                    out[f"{key}.lora_B.weight"] = (n_out, r)
+    return out
+
+
+def _parts(leaf: str, base) -> List[Tuple[str, int, int]]:
+    """``(PEFT module, in features, out features)`` of a wrapped layer, unsharded."""
+    if leaf == "qkv_proj":
+        q, kv = base.total_num_heads * base.head_size, base.total_num_kv_heads * base.head_size
+        return [("q_proj", base.input_size, q), ("k_proj", base.input_size, kv),
+                ("v_proj", base.input_size, base.total_num_kv_heads * base.v_head_size)]
+    if leaf in STACKED:
+        return [(sub, base.input_size, size) for sub, size in zip(STACKED[leaf], base.output_sizes)]
+    return [(leaf, base.input_size, base.output_size)]
+
+
+def checksum(tensors: Dict[str, torch.Tensor]) -> str:
+    """sha256 of an adapter's bytes, key by key in sorted order: what a trainer
+    computes of what it sent to compare with the engine's."""
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        h.update(key.encode())
+        h.update(tensors[key].detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class AdapterStash:
+    """One registered adapter on one rank."""
+
+    name: str
+    lora_id: str
+    config: Dict[str, Any]
+    tensors: Dict[str, torch.Tensor]  # PEFT key -> its view of the stash buffer
+    committed: Dict[str, torch.Tensor] = field(default_factory=dict)  # what is served (host copies)
+    version: int = 0  # commits so far
+    weight_version: Optional[str] = None
+    checksum: str = ""
+    last_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def status(self) -> Dict[str, Any]:
+        return {"lora_id": self.lora_id, "version": self.version, "weight_version": self.weight_version,
+                "r": self.config.get("r"), "lora_alpha": self.config.get("lora_alpha"),
+                "tensors": len(self.tensors), "bytes": self.nbytes, "checksum": self.checksum}
+
+
+class AdapterStashes:
+    """The stashes of one rank, by adapter name (the rank's scheduler thread
+    changes them; status is read from others)."""
+
+    def __init__(self):
+        self.stashes: Dict[str, AdapterStash] = {}
+
+    def register(self, name: str, lora_id: str, config: Dict[str, Any], layout: Dict[str, Tuple[int, ...]],
+                 dtype: torch.dtype, device) -> Tuple[AdapterStash, str]:
+        """The stash of adapter ``name`` (zeroed when new or when its config
+        changed) and what happened: ``created``, ``unchanged`` or ``reconfigured``."""
+        old = self.stashes.get(name)
+        same = old is not None and old.config == config and {k: tuple(t.shape) for k, t in old.tensors.items()} \
+            == layout and next(iter(old.tensors.values())).dtype == dtype
+        if same:
+            return old, "unchanged"
+        total = sum(torch.Size(s).numel() for s in layout.values())
+        flat = torch.zeros(total, dtype=dtype, device=device)
+        tensors, at = {}, 0
+        for key, shape in layout.items():
+            n = torch.Size(shape).numel()
+            tensors[key] = flat[at:at + n].view(shape)
+            at += n
+        stash = AdapterStash(name, old.lora_id if old else lora_id, dict(config), tensors)
+        stash.committed = {k: t.detach().cpu().clone() for k, t in tensors.items()}
+        stash.checksum = checksum(stash.committed)
+        self.stashes[name] = stash
+        return stash, "created" if old is None else "reconfigured"
+
+    def named_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        for name, stash in self.stashes.items():
+            for key, t in stash.tensors.items():
+                yield f"{name}{SEP}{key}", t
+
+    def written(self, names: Iterable[str]) -> List[str]:
+        """The adapters that ``names`` (written parameters) wrote in."""
+        out = {s[0] for s in map(split_name, names) if s is not None}
+        return [n for n in self.stashes if n in out]
+
+    def commit(self, names: Iterable[str], apply: Callable[[AdapterStash], None],
+               weight_version: Optional[str]) -> Dict[str, int]:
+        """Have sglang serve every adapter ``names`` wrote in (``apply(stash)``);
+        returns the bytes each moved."""
+        moved = {}
+        for name in self.written(names):
+            stash = self.stashes[name]
+            apply(stash)
+            stash.committed = {k: t.detach().cpu().clone() for k, t in stash.tensors.items()}
+            stash.checksum = checksum(stash.committed)
+            stash.version += 1
+            stash.weight_version = weight_version
+            moved[name] = stash.last_bytes = stash.nbytes
+        return moved
+
+    def restore(self, names: Iterable[str]) -> None:
+        """An update dropped: the adapters it wrote in hold what is served again."""
+        for name in self.written(names):
+            stash = self.stashes[name]
+            for key, t in stash.tensors.items():
+                t.copy_(stash.committed[key])
+
+    def status(self) -> Dict[str, Dict[str, Any]]:
+        return {name: s.status() for name, s in list(self.stashes.items())}

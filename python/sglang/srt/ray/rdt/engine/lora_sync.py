@@ -1,0 +1,62 @@
+"""LoRA adapter-only weight sync on a rank: register, land, commit.
+
+The sglang-miles contract (sglang #36384, miles #2756): an adapter is
+registered by name and PEFT config (``register_lora_adapter``), starting
+zeroed; its tensors travel in the normal weight update named
+``"{lora_name}:{PEFT key}"`` (unsharded, as PEFT saves them), alone or next to
+base-model parameters; when the update ends, requests with
+``"lora_path": lora_name`` are served the new adapter, in place. The stash the
+tensors land in and the commit are :mod:`sglang.srt.lora.adapter_stash`'s;
+this class ties them to the rank core: the rank's parameters for the plan
+include the stashes, an update's end commits what it wrote, a dropped one
+restores it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, Optional
+
+from sglang.srt.lora.adapter_stash import SEP, AdapterStashes
+from sglang.srt.ray.rdt.errors import WeightSyncError, dtype_name
+
+logger = logging.getLogger(__name__)
+
+
+class RankLoRA:
+    """A rank's registered adapters (``port``: its scheduler port, with
+    ``lora_layout(config) -> (layout, dtype, device)`` and ``lora_apply(stash)``)."""
+
+    def __init__(self, port):
+        self.port = port
+        self.stashes = AdapterStashes()
+
+    def register(self, lora_name: str, config: Dict[str, Any], lora_id: str) -> Dict[str, Any]:
+        """Create the adapter zeroed (a new name, or a changed config) or keep
+        it (the same config): its slot, its weights. Returns what a trainer
+        sends: every tensor's name, shape and dtype."""
+        if not lora_name or SEP in lora_name:
+            raise WeightSyncError(f"a LoRA adapter name must be non-empty and without {SEP!r}: {lora_name!r}")
+        layout, dtype, device = self.port.lora_layout(config)
+        stash, what = self.stashes.register(lora_name, lora_id, config, layout, dtype, device)
+        if what != "unchanged":
+            self.port.lora_apply(stash)  # served zeroed from now on: the base model's output
+            logger.info("[RDT] LoRA adapter %s %s: r=%s, %d tensors, %.1f MiB", lora_name, what,
+                        config.get("r"), len(layout), stash.nbytes / 2**20)
+        return {"lora_name": lora_name, "lora_id": stash.lora_id, "status": what,
+                "r": config.get("r"), "lora_alpha": config.get("lora_alpha"), "dtype": dtype_name(dtype),
+                "expected_tensors": {f"{lora_name}{SEP}{k}": list(t.shape) for k, t in stash.tensors.items()},
+                "num_tensors": len(stash.tensors), "bytes": stash.nbytes, "checksum": stash.checksum}
+
+    def named_tensors(self):
+        return self.stashes.named_tensors()
+
+    def commit(self, written: Iterable[str], weight_version: Optional[str]) -> Dict[str, int]:
+        """The update ended: serve the adapters it wrote. Returns their bytes."""
+        return self.stashes.commit(written, self.port.lora_apply, weight_version)
+
+    def restore(self, written: Iterable[str]) -> None:
+        self.stashes.restore(written)
+
+    def status(self) -> Dict[str, Dict[str, Any]]:
+        return self.stashes.status()

@@ -90,7 +90,10 @@ def run_workload(wname: str, args, log) -> Dict[str, Any]:
         env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
     share = 0.5 if args.same_gpu else 1
     opts = {"runtime_env": {"env_vars": env}, **({"num_gpus": share} if cuda else {})}
-    rank = rank_actor(args.device, share).options(runtime_env=opts["runtime_env"]).remote(specs, args.device)
+    lora = (workloads.lora_adapter(workloads.QWEN3_4B if wname.startswith("qwen3-4b") else workloads.TINY,
+                                   args.lora_rank, workloads.DTYPES[args.dtype])
+            if args.lora_rounds and wname in ("qwen3-4b", "tiny") else None)
+    rank = rank_actor(args.device, share).options(runtime_env=opts["runtime_env"]).remote(specs, args.device, lora)
     trainer = BenchTrainer.options(**opts).remote(specs, args.device)
     try:
         ray.get(rank.register_weight_for_rdt.remote(), timeout=600)
@@ -118,6 +121,9 @@ def run_workload(wname: str, args, log) -> Dict[str, Any]:
                 section(f"peer {kind}", lambda kind=kind, k=k: res["peer"].__setitem__(kind, ray.get(
                     trainer.peer_run.remote(rank, kind, bucket_bytes, args.rounds, 50000 + 1000 * k),
                     timeout=1800)))
+        if lora:
+            section("lora", lambda: res.__setitem__("lora", ray.get(trainer.lora_run.remote(
+                rank, lora, args.lora_rounds, 70000), timeout=1800)))
         if args.miles_rounds:
             section("miles", lambda: res.__setitem__("miles", ray.get(trainer.miles_run.remote(
                 rank, args.miles_transport, bucket_bytes, args.miles_rounds, 90000), timeout=1800)))
@@ -152,6 +158,8 @@ def main(argv: List[str] = None) -> int:
     ap.add_argument("--peers", default="per_tensor,buckets", help="peer rows (cuda)")
     ap.add_argument("--miles-rounds", type=int, default=0)
     ap.add_argument("--miles-transport", default="SGLANG_IPC")
+    ap.add_argument("--lora-rounds", type=int, default=0, help="adapter-only updates (qwen3-4b, tiny)")
+    ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5, help="repetitions of each ceiling copy")
     ap.add_argument("--same-gpu", action="store_true", help="trainer and rank on one GPU")
     ap.add_argument("--skip-ceiling", action="store_true")

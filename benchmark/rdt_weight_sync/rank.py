@@ -17,7 +17,7 @@ import ray
 import torch
 
 from patterns import Pattern
-from sglang.test.rdt_standalone import StandaloneRank
+from sglang.test.rdt_standalone import ModelPort, StandaloneRank
 
 # The SchedulerActor's Ray options (actor_options.RDT_ACTOR_MAX_CONCURRENCY).
 RANK_MAX_CONCURRENCY = 8
@@ -37,7 +37,7 @@ class FlatModel(torch.nn.Module):
 
 
 class BenchRank(StandaloneRank):
-    def __init__(self, specs, device_kind: str):
+    def __init__(self, specs, device_kind: str, lora_specs=None):
         self.device = torch.device("cuda", int(ray.get_gpu_ids()[0])) if device_kind == "cuda" \
             else torch.device("cpu")
         if self.device.type == "cuda":
@@ -47,7 +47,11 @@ class BenchRank(StandaloneRank):
         self.names = [n for n, _, _ in specs]
         self.tensors = [torch.empty(s, dtype=d, device=self.device) for _, s, d in specs]
         self.pattern = Pattern(self.tensors)
-        super().__init__(FlatModel(self.names, self.tensors), device=str(self.device), rank="bench")
+        self.lora_specs = lora_specs or []  # an adapter this rank takes (the LoRA rows)
+        layout = {n.split(":", 1)[1]: tuple(s) for n, s, _ in self.lora_specs}
+        super().__init__(FlatModel(self.names, self.tensors), device=str(self.device), rank="bench",
+                         port=ModelPort(FlatModel(self.names, self.tensors), lora_layout=lambda config: layout))
+        self.lora_pattern = None
 
     def poison(self, seed: int) -> bool:
         self.pattern.fill(self.tensors, seed + 7919)
@@ -58,6 +62,16 @@ class BenchRank(StandaloneRank):
         self._wait_device()
         bad = self.pattern.check(self.tensors, seed)
         return {"ok": not bad, "bad": [self.names[i] for i in bad[:5]], "nbad": len(bad)}
+
+    def verify_lora(self, seed: int) -> Dict[str, Any]:
+        """Whether the adapter's stash holds update ``seed``'s bytes (every byte checked)."""
+        self._wait_device()
+        stash = self._rdt_sync.lora.stashes.stashes["rl"]
+        tensors = [stash.tensors[n.split(":", 1)[1]] for n, _, _ in self.lora_specs]
+        if self.lora_pattern is None:
+            self.lora_pattern = Pattern(tensors)
+        bad = self.lora_pattern.check(tensors, seed)
+        return {"ok": not bad, "nbad": len(bad)}
 
     def _wait_device(self) -> None:
         if self.device.type == "cuda":

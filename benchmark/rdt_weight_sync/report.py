@@ -108,6 +108,13 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
         for key, res in (w.get("peer") or {}).items():
             if ceil and res.get("updates"):
                 others.append(simple_row(f"peer: torch CUDA IPC, {key.replace('_', ' ')}", res, ceil))
+        if w.get("lora", {}).get("updates"):
+            lo = w["lora"]
+            med = statistics.median(u["seconds"] for u in _steady(lo["updates"]))
+            others.append({"mode": f"LoRA adapter only ({lo['tensors']} tensors, {lo['bytes'] / MiB:.0f} MiB)",
+                           "median_ms": med * 1e3, "ratio": ceil / med if ceil and med else 0.0,
+                           "first_over_median": lo["updates"][0]["seconds"] / med if med else 0.0,
+                           "bytes_ok": all(u["check"]["ok"] for u in lo["updates"])})
         if w.get("miles", {}).get("updates") and ceil:
             others.append(simple_row("miles' loop (one bucket, put + pull per bucket)", w["miles"], ceil))
         out[wname] = {"info": w.get("info", {}), "client": rows, "others": others,
@@ -153,6 +160,11 @@ def targets(summary: Dict[str, Any]) -> List[str]:
             for text, ok in checks:
                 lines.append(f"{wname} {mode}: {text}: {'met' if ok else 'NOT met'}")
         for r in s["others"]:
+            if r["mode"].startswith("LoRA"):
+                lines.append(f"{wname} LoRA: whole update {r['median_ms']:.2f} ms <= 5 ms: "
+                             f"{'met' if r['median_ms'] <= 5 else 'NOT met'}")
+                lines.append(f"{wname} LoRA: first {r['first_over_median']:.2f}x median <= 1.5x: "
+                             f"{'met' if r['first_over_median'] <= 1.5 else 'NOT met'}")
             if r["mode"].startswith("miles") and wname in ("uniform", "qwen3-4b", "moe"):
                 want = 0.1 if moe else 0.2
                 lines.append(f"{wname} miles' loop: {r['ratio']:.2f}x >= {want}x: "
@@ -219,7 +231,8 @@ def byte_check(results: Dict[str, Any]) -> bool:
         for section in ("client", "peer"):
             for res in (w.get(section) or {}).values():
                 ok &= all(u["check"]["ok"] for u in res.get("updates", []))
-        ok &= all(u["check"]["ok"] for u in (w.get("miles") or {}).get("updates", []))
+        for key in ("miles", "lora"):
+            ok &= all(u["check"]["ok"] for u in (w.get(key) or {}).get("updates", []))
         ok &= all(v.get("bytes_ok", True) for v in (w.get("ceiling") or {}).values() if isinstance(v, dict))
     return ok
 

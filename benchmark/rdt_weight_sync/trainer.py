@@ -234,6 +234,36 @@ class BenchTrainer:
             out.append({"seconds": seconds, "check": ray.get(rank.verify.remote(seed))})
         return {"updates": out}
 
+    def lora_run(self, rank, lora_specs, rounds: int, seed0: int):
+        """An adapter-only update (``lora_specs``: its tensors) through the
+        client, new tensors every update made inside ``client.staging()``."""
+        from sglang.srt.ray.rdt import WeightSyncClient
+
+        names = [n for n, _, _ in lora_specs]
+        base = [torch.empty(s, dtype=d, device=self.device) for _, s, d in lora_specs]
+        pattern = Pattern(base)
+        client = WeightSyncClient([rank], names=["bench-rank"], device=str(self.device))
+        out = []
+        try:
+            reg = client.register_lora_adapter("rl", {"peft_type": "LORA", "r": lora_specs[0][1][0],
+                                                      "lora_alpha": 16, "target_modules": "all-linear"})
+            client.register()
+            for r in range(rounds):
+                seed = seed0 + r
+                pattern.fill(base, seed)
+                with client.staging():
+                    fresh = dict(zip(names, [t.clone() for t in base]))
+                self._sync()
+                t0 = time.perf_counter()
+                stats = client.update(fresh, version=f"l{seed}")
+                seconds = time.perf_counter() - t0
+                del fresh
+                out.append({"seconds": seconds, "path": stats.path, "check": ray.get(rank.verify_lora.remote(seed))})
+        finally:
+            client.close()
+        return {"updates": out, "tensors": len(names), "bytes": sum(t.nbytes for t in base),
+                "registered": reg.get("status")}
+
     def miles_run(self, rank, transport: str, bucket_bytes: int, rounds: int, seed0: int):
         """miles' trainer loop by hand, with new tensors every update: one
         registered bucket buffer; per bucket stage the tensors into it, put

@@ -92,6 +92,21 @@ def mixed_moe(layers: int, dtype: torch.dtype, cfg: Dict[str, int] = QWEN3_30B_A
     return out
 
 
+def lora_adapter(cfg: Dict[str, int], r: int, dtype: torch.dtype, name: str = "rl") -> List[Spec]:
+    """A rank-``r`` LoRA adapter of every attention and MLP projection of every
+    layer, as PEFT saves it: ``{name}:base_model.model...lora_{A,B}.weight``."""
+    h, hd, inter = cfg["hidden"], cfg["head_dim"], cfg["inter"]
+    q, kv = cfg["heads"] * hd, cfg["kv_heads"] * hd
+    out: List[Spec] = []
+    for i in range(cfg["layers"]):
+        for mod, n_in, n_out in (("self_attn.q_proj", h, q), ("self_attn.k_proj", h, kv), ("self_attn.v_proj", h, kv),
+                                 ("self_attn.o_proj", q, h), ("mlp.gate_proj", h, inter), ("mlp.up_proj", h, inter),
+                                 ("mlp.down_proj", inter, h)):
+            p = f"{name}:base_model.model.model.layers.{i}.{mod}"
+            out += [(f"{p}.lora_A.weight", (r, n_in), dtype), (f"{p}.lora_B.weight", (n_out, r), dtype)]
+    return out
+
+
 def workload(name: str, args) -> Tuple[List[Spec], Dict[str, Any]]:
     """The specs of workload ``name`` and a description of it."""
     dtype = DTYPES[args.dtype]

@@ -10,6 +10,7 @@ drive an update; these add:
     POST /weight_sync/abort   {"reason": "...", "session_id": ...}
     POST /register_lora_adapter {"lora_name": ..., "config_dict": {PEFT adapter_config}}
     GET  /weight_sync/status  the session, the engine-wide view and every rank's status
+    GET  /weight_sync/ranks   the Ray namespace and every rank's actor name and layout
 
 ``/weight_sync/*`` is that lifecycle with a drain and a lease (:mod:`.session`);
 the engine-wide figures are derived from the ranks' own state, never stored here.
@@ -53,6 +54,22 @@ async def full_status(session: WeightSyncSession) -> Dict[str, Any]:
         return status
     status.update(engine_view(ranks), ranks=ranks)
     return status
+
+
+async def rank_directory(actors: List[Any]) -> Dict[str, Any]:
+    """What a trainer that knows only this server's URL needs to reach its
+    ranks (``GET /weight_sync/ranks``): the Ray namespace, each rank's actor
+    name in global rank order, the layout, and each rank's parallelism; no
+    secret (a trainer joins the engine's Ray cluster on its own)."""
+    placements = await call_ranks_async(actors, "get_ray_placement", timeout_s=STATUS_RANK_TIMEOUT_S)
+    configs = await call_ranks_async(actors, "get_parallelism_config", timeout_s=STATUS_RANK_TIMEOUT_S)
+    first = configs[0] if configs else {}
+    return {"namespace": placements[0]["namespace"] if placements else None,
+            "dp_size": first.get("dp_size") or 1, "tp_size": first.get("tp_size") or 1,
+            "pp_size": first.get("pp_size") or 1,
+            "ranks": [{"rank": i, "actor_name": p["actor_name"], "namespace": p["namespace"],
+                       "node_id": p["node_id"], "parallelism": c}
+                      for i, (p, c) in enumerate(zip(placements, configs))]}
 
 
 def install_weight_sync_routes(app, server_args, launched) -> WeightSyncSession:
@@ -104,6 +121,15 @@ def install_weight_sync_routes(app, server_args, launched) -> WeightSyncSession:
             return ORJSONResponse({"success": False, "message": 'expected {"lora_name": str, "config_dict": '
                                    "{PEFT adapter_config}}"}, status_code=HTTPStatus.BAD_REQUEST)
         return await call(session.register_lora(body["lora_name"], body["config_dict"]))
+
+    @app.get("/weight_sync/ranks")
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def weight_sync_ranks(request: Request):
+        try:
+            return ORJSONResponse(await rank_directory(session.get_actors()))
+        except Exception as e:
+            return ORJSONResponse({"success": False, "message": f"{type(e).__name__}: {e}"},
+                                  status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/weight_sync/status")
     async def weight_sync_status(request: Request):

@@ -34,7 +34,8 @@ from sglang.srt.ray.rdt.defaults import CALL_TIMEOUT_S, SESSION_LEASE_S, SGLANG_
 from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
 from sglang.srt.ray.rdt.ranks import gather, settle, unfinished
 from sglang.srt.ray.rdt.trainer import buckets, staging
-from sglang.srt.ray.rdt.trainer.discovery import RankInfo, ensure_ray, find_ranks
+from sglang.srt.ray.rdt.trainer.discovery import (RankInfo, default_api_key, ensure_ray, find_ranks,
+                                                  find_ranks_by_url, http)
 from sglang.srt.ray.rdt.trainer.lane import Lanes
 from sglang.srt.ray.rdt.trainer.route import Route, decide_route
 from sglang.srt.ray.rdt.trainer.sender import SenderLink, release_rank_mappings
@@ -90,6 +91,9 @@ class WeightSyncClient:
         lane: reach ranks on this node over their call lane (a Unix socket:
             ~0.1 ms a call against ~2.5 ms for a Ray actor call). False: Ray
             calls and slot refs only.
+        api_key: the engine's key for ``url`` (its ``--admin-api-key`` when
+            it has one, else ``--api-key``), a Bearer token on every HTTP call;
+            default ``$SGLANG_RDT_API_KEY``.
         staging: keep a staging pool on the GPU (:mod:`.staging`) for the
             tensors of generators passed to ``update()`` and the bucket slots,
             so ranks keep their mappings of it across updates.
@@ -112,6 +116,7 @@ class WeightSyncClient:
         export: str = "auto",
         lane: bool = True,
         staging: bool = True,
+        api_key: Optional[str] = None,
     ):
         transport = {"auto": "auto", "nixl": "nixl", "sglang_ipc": SGLANG_IPC}.get(transport.lower())
         if transport is None:
@@ -137,7 +142,9 @@ class WeightSyncClient:
         self.lease_s = float(lease_s)
         self.call_timeout_s = float(call_timeout_s)
         self.transport, self.export = transport, export
-        self.session = make_session(self.url, engine, self._call_entries, self.lease_s, self.call_timeout_s)
+        self.api_key = default_api_key(api_key)
+        self.session = make_session(self.url, engine, self._call_entries, self.lease_s, self.call_timeout_s,
+                                    self.api_key)
         if sender not in (None, "local"):
             raise ValueError(f"sender must be 'local' (the default): the bucket slots live in the "
                              f"trainer's process; got {sender!r}")
@@ -156,14 +163,21 @@ class WeightSyncClient:
         tensor_scan.prepare()  # (the first use on a machine compiles it: not inside an update)
 
     @classmethod
-    def connect(cls, port: int, *, namespace: str, node_ip: Optional[str] = None,
+    def connect(cls, port: Optional[int] = None, *, url: Optional[str] = None, api_key: Optional[str] = None,
+                namespace: Optional[str] = None, node_ip: Optional[str] = None,
                 host: str = "127.0.0.1", dp_size: int = 1, tp_size: int = 1, pp_size: int = 1,
                 bundle_index: Union[int, Callable[[int, int, int], int]] = 0,
-                address: Optional[str] = None, url: Optional[str] = None,
-                **kwargs) -> "WeightSyncClient":
-        """Find a running engine's ranks by their rebuilt actor names.
+                address: Optional[str] = None, **kwargs) -> "WeightSyncClient":
+        """Find a running engine's ranks: from its URL alone
+        (``connect(url=..., api_key=...)``: the engine names its ranks,
+        ``GET /weight_sync/ranks``), or by their actor names rebuilt from its
+        port, namespace and layout.
 
         Args:
+            url: the engine's HTTP address; alone, everything else is asked of it.
+            api_key: the engine's key (its ``--admin-api-key`` when it has one,
+                else ``--api-key``), sent on every HTTP call; default
+                ``$SGLANG_RDT_API_KEY``.
             port: the engine's HTTP ``--port`` (part of every actor name).
             namespace: the engine's ``--ray-namespace``.
             node_ip: the node of the engine's rank 0, as Ray names it; default:
@@ -179,9 +193,17 @@ class WeightSyncClient:
             **kwargs: passed to the constructor (``bucket_bytes``, ``device``, ...).
         """
         ensure_ray(address)
+        if port is None:
+            if not url:
+                raise ValueError("connect() needs the engine's url= (or its port=, namespace= and layout)")
+            actors, names = find_ranks_by_url(url.rstrip("/"), default_api_key(api_key),
+                                              kwargs.get("call_timeout_s", CALL_TIMEOUT_S))
+            return cls(actors, names=names, url=url, api_key=api_key, **kwargs)
+        if namespace is None:
+            raise ValueError("connect(port=...) needs the engine's namespace= (or give url= alone)")
         actors, names = find_ranks(port, namespace, node_ip=node_ip, host=host, dp_size=dp_size,
                                    tp_size=tp_size, pp_size=pp_size, bundle_index=bundle_index)
-        return cls(actors, names=names, url=url or f"http://{host}:{port}", **kwargs)
+        return cls(actors, names=names, url=url or f"http://{host}:{port}", api_key=api_key, **kwargs)
 
     @classmethod
     def from_engine(cls, engine, **kwargs) -> "WeightSyncClient":
@@ -221,6 +243,8 @@ class WeightSyncClient:
         (or the slots they are gathered into are made), writing nothing, so
         the first update costs what later ones do. Without it nothing is
         reserved on the trainer's GPU, but a bucket route's two slots."""
+        if self.url:  # a key that cannot drive updates fails here, before anything moves
+            http("GET", self.url, "/weight_sync/ranks", self.api_key, self.call_timeout_s)
         out = self._call_all("register_weight_for_rdt")
         self.parameter_layouts(refresh=True)
         self._statuses = None
@@ -405,7 +429,7 @@ class WeightSyncClient:
                                       "build the client with url= (or WeightSyncClient.connect)")
             self._hf_resharder = HFResharder.from_engine_url(
                 self.url, len(self.ranks), model_path=model_path, timeout_s=self.call_timeout_s,
-                device=str(self.device_obj))  # the replicas' shards are what the ranks read
+                device=str(self.device_obj), api_key=self.api_key)  # the replicas' shards are what the ranks read
         return self._hf_resharder
 
     def pool_bytes(self) -> int:

@@ -1,4 +1,10 @@
-"""Finding a running engine's ranks from any Ray job of its cluster."""
+"""Finding a running engine's ranks from any Ray job of its cluster, and talking to its HTTP server.
+
+With only the engine's URL (and its key): ``GET /weight_sync/ranks`` names
+every rank's actor and the Ray namespace (:func:`find_ranks_by_url`); with its
+port, namespace and layout: the actor names are rebuilt (:func:`find_ranks`).
+Every HTTP call carries the client's key as a Bearer token (:func:`http`).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,57 @@ logger = logging.getLogger(__name__)
 
 BundleIndex = Union[int, Callable[[int, int, int], int]]
 _ANY_ADDRESS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", "")
+# The engine's key when the client is given none (its --admin-api-key when it has one, else --api-key).
+API_KEY_ENV = "SGLANG_RDT_API_KEY"
+KEY_HELP = ("weight updates need the engine's --admin-api-key when it has one, else its --api-key: pass "
+            f"api_key= to the client (or set {API_KEY_ENV})")
+
+
+def default_api_key(api_key: Optional[str]) -> Optional[str]:
+    return api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+
+
+def http(method: str, url: str, path: str, api_key: Optional[str], timeout_s: float, body=None):
+    """``method url+path`` with the key as a Bearer token; the JSON answer, or
+    a :class:`WeightSyncError` that says what failed (and which key a refusal needs)."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = requests.request(method, f"{url}{path}", json=body, headers=headers, timeout=timeout_s)
+    except requests.RequestException as e:
+        raise WeightSyncError(f"{method} {url}{path} failed: {e}") from e
+    try:
+        data = r.json()
+    except ValueError:
+        data = {"success": False, "message": r.text[:500]}
+    if r.status_code in (401, 403):
+        raise WeightSyncError(f"{method} {url}{path} -> HTTP {r.status_code}: the engine refused "
+                              f"{'this key' if api_key else 'a call without a key'}; {KEY_HELP}")
+    if r.status_code != 200 or (isinstance(data, dict) and data.get("success") is False):
+        raise WeightSyncError(f"{method} {url}{path} -> HTTP {r.status_code}: "
+                              f"{data.get('message', data) if isinstance(data, dict) else data}")
+    return data
+
+
+def find_ranks_by_url(url: str, api_key: Optional[str], timeout_s: float) -> Tuple[List[Any], List[str]]:
+    """The SchedulerActor handles and names of the engine at ``url``, in
+    global rank order, from its ``GET /weight_sync/ranks``."""
+    import ray
+
+    ranks = http("GET", url, "/weight_sync/ranks", api_key, timeout_s)["ranks"]
+    actors, names = [], []
+    for r in ranks:
+        try:
+            actors.append(ray.get_actor(r["actor_name"], namespace=r["namespace"]))
+        except ValueError:
+            raise WeightSyncError(f"the engine at {url} names rank {r['rank']} {r['actor_name']!r} in "
+                                  f"namespace {r['namespace']!r}, but this process does not see it: join "
+                                  "the engine's Ray cluster (ray.init(address=...) or address=)") from None
+        names.append(r["actor_name"])
+    logger.info("[RDT] weight-sync client: %d ranks of the engine at %s (namespace %r)", len(actors), url,
+                ranks[0]["namespace"] if ranks else None)
+    return actors, names
 
 
 @dataclass(frozen=True)

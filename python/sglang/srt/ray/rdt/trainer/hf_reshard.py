@@ -191,22 +191,17 @@ class HFResharder:
 
     @classmethod
     def from_engine_url(cls, url: str, num_ranks: int, *, model_path: Optional[Union[str, Path]] = None,
-                        timeout_s: float = 60.0, **kwargs) -> "HFResharder":
+                        timeout_s: float = 60.0, api_key: Optional[str] = None, **kwargs) -> "HFResharder":
         """Read the engine's ``/server_info`` and each rank's
-        ``/parallelism_config?rank=R`` from its HTTP server. ``model_path``
-        defaults to the engine's ``--model-path`` (valid when the trainer sees
-        the same path)."""
-        import requests
+        ``/parallelism_config?rank=R`` from its HTTP server (``api_key``: as a
+        Bearer token). ``model_path`` defaults to the engine's
+        ``--model-path`` (valid when the trainer sees the same path)."""
+        from sglang.srt.ray.rdt.trainer.discovery import http
 
         url = url.rstrip("/")
 
         def get(path: str) -> Dict[str, Any]:
-            try:
-                r = requests.get(f"{url}{path}", timeout=timeout_s)
-                r.raise_for_status()
-                return r.json()
-            except Exception as e:
-                raise WeightSyncError(f"GET {url}{path} failed: {e}") from e
+            return http("GET", url, path, api_key, timeout_s)
 
         info = get("/server_info")
         configs = [get(f"/parallelism_config?rank={r}") for r in range(num_ranks)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, List, Optional
 
-from sglang.srt.ray.rdt.errors import WeightSyncRankError, WeightSyncSessionError
+from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError, WeightSyncSessionError
 
 logger = logging.getLogger(__name__)
 
@@ -20,25 +20,16 @@ CallAll = Callable[..., List[Any]]
 
 
 class HttpSession:
-    def __init__(self, url: str, lease_s: float, timeout_s: float):
-        self.url, self.lease_s, self.timeout_s = url.rstrip("/"), lease_s, timeout_s
+    def __init__(self, url: str, lease_s: float, timeout_s: float, api_key: Optional[str] = None):
+        self.url, self.lease_s, self.timeout_s, self.api_key = url.rstrip("/"), lease_s, timeout_s, api_key
 
     def post(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
-        import requests
+        from sglang.srt.ray.rdt.trainer.discovery import http
 
         try:
-            r = requests.post(f"{self.url}{path}", json=body, timeout=self.timeout_s)
-        except requests.RequestException as e:
-            raise WeightSyncSessionError(f"POST {self.url}{path} failed: {e}") from e
-        try:
-            data = r.json()
-        except ValueError:
-            data = {"success": False, "message": r.text[:500]}
-        if r.status_code != 200 or not data.get("success", False):
-            raise WeightSyncSessionError(
-                f"POST {self.url}{path} -> HTTP {r.status_code}: {data.get('message', data)}"
-            )
-        return data
+            return http("POST", self.url, path, self.api_key, self.timeout_s, body)
+        except WeightSyncError as e:
+            raise WeightSyncSessionError(str(e)) from None
 
     def begin(self) -> Optional[str]:
         return self.post("/weight_sync/begin", {"lease_s": self.lease_s})["session_id"]
@@ -92,9 +83,9 @@ class CallerPausedSession:
 
 
 def make_session(url: Optional[str], engine: Any, call_all: CallAll, lease_s: float,
-                 call_timeout_s: float):
+                 call_timeout_s: float, api_key: Optional[str] = None):
     if url:
-        return HttpSession(url, lease_s, call_timeout_s + 30)
+        return HttpSession(url, lease_s, call_timeout_s + 30, api_key)
     if engine is not None:
         return EngineSession(engine, lease_s)
     return CallerPausedSession(call_all)

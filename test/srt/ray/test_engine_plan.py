@@ -245,68 +245,6 @@ def test_forget_walks_again_and_plans_every_layout_anew():
     assert again is not first and walked and not reused and walks.count == 2
 
 
-def test_a_layout_planned_ahead_is_found_by_its_pull_without_a_walk():
-    """plan_ahead (a lane's thread) plans against the last walk only while it
-    is current, never walks itself, and leaves a layout that does not fit to
-    its pull to refuse."""
-    params = _params()
-    walks = Walks(params)
-    cache = PlanCache(walks)
-    names, specs = [["a.weight", "b.weight"]], [_specs(params, ["a.weight", "b.weight"])]
-    assert cache.plan_ahead(specs, names, key="L1") is False and walks.count == 0  # no walk yet
-    cache.param_names()  # a walk (the scheduler's)
-    assert cache.plan_ahead(specs, names, key="L1") is True and walks.count == 1
-    assert cache.plan_ahead(specs, names, key="L1") is False  # planned already
-    plan, walked, reused = cache.plan(specs, names, key="L1")
-    assert (walked, reused, walks.count) == (False, True, 1)
-    assert _ptrs(plan) == [[params["a.weight"].data_ptr(), params["b.weight"].data_ptr()]]
-    # A layout that does not fit is not planned ahead; its pull refuses it as before.
-    bad = [[TensorSpec((4, 4), torch.float32)]]
-    assert cache.plan_ahead(bad, [["a.weight"]], key="L2") is False
-    with pytest.raises(WeightSyncError, match="layout mismatch for 'a.weight'"):
-        cache.plan(bad, [["a.weight"]], key="L2")
-    # A walk that may be out of date (an update ended) is not planned against.
-    cache.mark_stale()
-    assert cache.plan_ahead([_specs(params, ["a.bias"])], [["a.bias"]], key="L3") is False
-    assert walks.count == 1
-    _, walked, reused = cache.plan([_specs(params, ["a.bias"])], [["a.bias"]], key="L3")
-    assert (walked, reused, walks.count) == (True, False, 2)
-    cache.forget()
-    assert cache.plan_ahead(specs, names, key="L4") is False and walks.count == 2
-
-
-def test_a_forget_during_a_plan_ahead_leaves_no_plan_of_the_old_walk():
-    """The lane's thread plans while the scheduler's thread drops the plans
-    (memory release, a failed pull): the drop waits for the plan in progress
-    and removes it; a plan_ahead that starts after the drop plans nothing."""
-    params = _params()
-    inside, go = threading.Event(), threading.Event()
-
-    class Gated(dict):  # the walk's mapping: the first lookup waits for ``go``
-        def get(self, name, default=None):
-            inside.set()
-            assert go.wait(30)
-            return super().get(name, default)
-
-    cache = PlanCache(lambda: Gated(params))
-    cache.param_names()  # the walk
-    names, specs = [["a.weight"]], [_specs(params, ["a.weight"])]
-    ahead = []
-    lane = threading.Thread(target=lambda: ahead.append(cache.plan_ahead(specs, names, key="L")))
-    lane.start()
-    assert inside.wait(30)  # planning, under the cache's lock
-    dropper = threading.Thread(target=cache.forget)
-    dropper.start()
-    dropper.join(0.2)
-    assert dropper.is_alive()  # the drop waits for the plan in progress
-    go.set()
-    lane.join(30)
-    dropper.join(30)
-    assert ahead == [True] and cache.params is None and not cache._plans
-    # With the walk dropped, planning ahead plans nothing until the scheduler walks again.
-    assert cache.plan_ahead(specs, names, key="L") is False and not cache._plans
-
-
 def test_the_plan_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(plan_mod, "MAX_CACHED_PLANS", 3)
     params = _params()

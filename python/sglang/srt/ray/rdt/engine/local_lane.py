@@ -9,9 +9,7 @@ checks and records as ``pull_weights``; ``finalize`` and ``abort`` come the
 same way. A layout (names, shapes, dtypes) is sent once per connection with
 an id; later requests name the id and carry only where the bytes are (and
 a description of kept memory, the trainer's staging pool, likewise: sent
-once, then named). A layout's first pull is planned by the serving thread as
-it arrives, against the rank's last walk of the model, while the scheduler
-may still be copying the pull before it.
+once, then named).
 
 Threads: one serves the socket (reads every request, answers all but pulls);
 a pull is handed to one of :data:`PULL_WORKERS` threads that waits for the
@@ -260,8 +258,8 @@ class RankLane:
         try:
             op, kw = pickle.loads(payload)
             self.calls += 1
-            if op != "pull" or kw.get("finalize") is not None:
-                conn.settle()  # ordered after the pulls sent before it (a pull that ends the update too)
+            if op != "pull":
+                conn.settle()  # ordered after the pulls sent before it
             if op == "hello":
                 sender = str(kw["sender"])
                 with self._lock:
@@ -300,8 +298,6 @@ class RankLane:
                                       "tensors, or a name that is not a string")
             self._defined += 1  # the plan's key: unique per definition
             conn.layouts[layout_id] = (names, specs, ("lane", self._defined))
-            if op == "pull":  # planned here, while the scheduler may still copy the pull before it
-                self._rank.plan_ahead([specs], [names], ("lane", self._defined))
         if layout_id not in conn.layouts:
             raise KeyError(f"layout {layout_id} was never defined on this connection")
         names, specs, key = conn.layouts[layout_id]
@@ -317,4 +313,4 @@ class RankLane:
         source = LocalSource(meta, conn.writer, specs, fence=op == "pull" and bool(kw.get("fence")))
         if op == "prepare":
             return self._rank.prepare_sources([source], [names], key)
-        return lambda: self._rank.pull_sources([source], [names], kw.get("timeout"), key, kw.get("finalize"))
+        return lambda: self._rank.pull_sources([source], [names], kw.get("timeout"), key)

@@ -185,8 +185,7 @@ class PlanCache:
     (de)registration and a failed pull drop them (:meth:`forget`).
 
     Its own lock guards it: pulls plan on the scheduler's thread (under the
-    receiver's lock, taken first), and a same-node lane plans a layout it is
-    sent ahead of its pull on its own thread (:meth:`plan_ahead`).
+    receiver's lock, taken first); a lane's ``prepare`` from its own thread.
     """
 
     def __init__(self, get_params: Callable[[], Mapping[str, torch.Tensor]]):
@@ -257,22 +256,6 @@ class PlanCache:
             if self.params is None:
                 self.params, walked = self._get_params(), True
             return self._add(key, plan_pull(specs, names, self.params), names, specs), walked, False
-
-    def plan_ahead(self, specs, names, key: Any) -> bool:
-        """Plan a keyed layout now, before its pull, against the last walk of
-        the model while that walk is current (the walk itself stays on the
-        scheduler's thread). Returns whether it planned: not when there is no
-        current walk, the layout is planned already, or it does not fit (its
-        pull then says why, as it would have)."""
-        with self._lock:
-            if self.params is None or self._stale or key in self._plans:
-                return False
-            try:
-                targets = plan_pull(specs, names, self.params)
-            except WeightSyncError:
-                return False
-            self._add(key, targets, names, specs)
-            return True
 
     def _add(self, key, targets, names, specs) -> CachedPlan:
         if len(self._plans) >= MAX_CACHED_PLANS:

@@ -155,33 +155,17 @@ class RankWeightSync:
         """``pull_weights``: land the refs' tensors (quiesced)."""
         return self._pull(lambda: sources_of(refs), names, timeout)
 
-    def pull_sources(self, sources, names, timeout: Optional[float] = None, key: Any = None,
-                     finalize: Optional[Dict[str, Any]] = None):
-        """A lane request's pull (:mod:`.local_lane`), the same way;
-        ``finalize`` (``{"weight_version", "flush_cache"}``): the update's
-        only pull, from its only writer, to an engine of one rank: the update
-        ends right after it, in the same turn of the scheduler (the result's
-        ``"finalized"``)."""
-        if finalize is not None and self.group is not None:
-            raise WeightSyncError("an update of a multi-rank group ends with finalize_weight_update "
-                                  "on its first rank, not with a pull")
-        return self._pull(lambda: sources, names, timeout, key, finalize)
+    def pull_sources(self, sources, names, timeout: Optional[float] = None, key: Any = None):
+        """A lane request's pull (:mod:`.local_lane`), the same way."""
+        return self._pull(lambda: sources, names, timeout, key)
 
-    def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None,
-              finalize: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        ending = []  # (set once the pull landed and the update's end began)
-
+    def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None) -> Dict[str, Any]:
         def run():
             why = self.quiesced()
             if why is None:
                 out = self.receiver.pull(make_sources(), names, timeout, key)
                 if out.get("fenced"):
                     self._settle_next(names)
-                if finalize is not None:
-                    ending.append(True)
-                    out["finalized"] = self._finalize_here(finalize.get("weight_version"),
-                                                           finalize.get("flush_cache", True))
-                    out.setdefault("timing", {})["ended"] = time.perf_counter()
                 return out
             if why in (NOT_PAUSED, NOT_PAUSED_IN_SESSION):
                 return why, _NOT_PAUSED_YET  # maybe the pause is still on its way
@@ -201,8 +185,6 @@ class RankWeightSync:
                 time.sleep(0.01)
         except BaseException as e:
             kind = failure_kind(e)
-            if ending:  # counted as finalize() counts its own failures
-                kind = None if isinstance(e, WeightSyncError) else "finalize"
             if kind is not None:
                 self.state.fail(kind)
             raise
@@ -227,11 +209,6 @@ class RankWeightSync:
     def prepare_sources(self, sources, names, key: Any = None) -> Dict[str, Any]:
         """Plan a lane pull and map its kept segments, writing nothing (no pause needed)."""
         return self.on_scheduler(lambda: self.receiver.prepare(sources, names, key))
-
-    def plan_ahead(self, specs, names, key) -> bool:
-        """Plan a lane pull's new layout on the lane's thread, before the pull
-        reaches the scheduler (against the scheduler's last walk of the model)."""
-        return self.receiver.plan_ahead(specs, names, key)
 
     def prepare_next_pull(self) -> None:
         """Run the walk of the model the next pull would start with (after an

@@ -196,14 +196,6 @@ class RdtWeightReceiver:
         return {"tensors": plan.count, "plan_reused": reused, "opened": opened,
                 "seconds": time.perf_counter() - t0}
 
-    def plan_ahead(self, specs, names, key: Any) -> bool:
-        """Plan the keyed layout of a pull on its way, from any thread, so the
-        pull finds its plan made (:meth:`.PlanCache.plan_ahead`); False when
-        it did not (the pull plans as usual)."""
-        if self._closed or self._weights_released:
-            return False
-        return self._plans.plan_ahead(specs, names, key)
-
     def pull(self, sources: Sequence[Any], names, timeout_s: Optional[float] = None,
              key: Any = None) -> Dict[str, Any]:
         """Land ``sources`` in the parameters ``names`` (one flat list in the

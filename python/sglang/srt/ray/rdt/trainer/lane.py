@@ -236,14 +236,12 @@ class Lanes:
         return None if link is None or link.broken else link
 
     def pull(self, rank: int, group, meta, timeout: Optional[float], prepare: bool = False,
-             finalize: Optional[Dict[str, Any]] = None, fence: bool = False) -> LaneCall:
+             fence: bool = False) -> LaneCall:
         """Send rank ``rank`` a pull of ``meta`` (a same-node description of
         ``group``'s tensors); the group's layout (names, shapes, dtypes) goes
         along the first time this lane sees it, later pulls name its id; so
         does a description of kept memory (the staging pool) the exporter
         remembers (the same tensors' places, update after update).
-        ``finalize``: the rank ends the update right after this pull (see
-        :meth:`~sglang.srt.ray.rdt.engine.rank_sync.RankWeightSync.pull_sources`).
         ``fence``: the rank may answer once its copy is queued (where the lane
         has the rank's event): the caller then :meth:`wait_fence` before it
         lets go of the tensors."""
@@ -254,7 +252,7 @@ class Lanes:
         call = link.send("prepare" if prepare else "pull", {
             "layout": group.layout, "names": list(group.names) if first else None,
             "specs": group.specs() if first else None, "timeout": timeout,
-            "source": None if known else meta, "source_id": kept, "finalize": finalize,
+            "source": None if known else meta, "source_id": kept,
             "fence": fence and link.fence is not None})
         call.defines = group.layout if first else None
         call.defines_source = 0 if known else kept

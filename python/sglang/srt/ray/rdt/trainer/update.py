@@ -13,9 +13,8 @@ slot is refilled only after every rank's pull of it returned; an iterator
 read in place has at most two buckets' worth of its tensors alive.
 The engine's update session opens right before the first step goes out.
 
-**Finish.** End the session with the new ``weight_version`` (one pull to one
-rank over its lane, in an update the caller paused for: that pull ends it). On
-any failure: wait (bounded) for pulls still reading, abort the session, raise.
+**Finish.** End the session with the new ``weight_version``. On any failure:
+wait (bounded) for pulls still reading, abort the session, raise.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
 from sglang.srt.ray.rdt.ranks import settle, unfinished
 from sglang.srt.ray.rdt.trainer import buckets
 from sglang.srt.ray.rdt.trainer.lane import LaneCall
-from sglang.srt.ray.rdt.trainer.sessions import CallerPausedSession
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
 from sglang.srt.ray.rdt.transport import same_node
 
@@ -88,7 +86,6 @@ class Update:
     group_bytes: int = 0
     wait_s: float = 0.0
     total: Optional[int] = None  # steps of a mapping (an iterator's: unknown)
-    ends_with_pull: bool = False  # its one pull ends the update (see run)
     plan_seconds: float = 0.0  # a mapping: split, cut, looked at and checked whole
 
     # -- plan ------------------------------------------------------------------ #
@@ -118,12 +115,6 @@ class Update:
                         buckets.check_strict(payload.names, c.parameter_layouts()[r], c.labels[r])
             self.total = len(planned)
             steps = iter(planned)
-            # One pull to one rank, over its lane, in an update the caller
-            # paused for: nobody else has to agree and no other pull of the
-            # update can still be on its way, so that pull ends the update too
-            # (one round trip and one turn of the scheduler less).
-            self.ends_with_pull = (self.total == 1 and len(c.ranks) == 1 and 0 in self.route.lanes
-                                   and isinstance(c.session, CallerPausedSession))
             self.plan_seconds = time.perf_counter() - t0
         try:
             self._transfer(steps)
@@ -199,9 +190,6 @@ class Update:
             self.begin_seconds = time.perf_counter() - t1
         timeout = c.pull_timeout_s
         flight.sent_at = time.perf_counter()
-        finalize = None
-        if self.ends_with_pull:  # (its one step)
-            finalize = {"weight_version": self.version, "flush_cache": self.flush_cache}
         # Kept memory read over a lane: the ranks answer once their copy is
         # queued and _land waits on their events (the ranks' own work and the
         # answers overlap the copy).
@@ -210,7 +198,7 @@ class Update:
             for r in self.rank_groups[rg]:
                 try:
                     if r in self.route.lanes:
-                        call = c.lanes.pull(r, group, meta, timeout, finalize=finalize, fence=fence)
+                        call = c.lanes.pull(r, group, meta, timeout, fence=fence)
                         self.lane_calls += 1
                     else:
                         call = c.ranks[r].actor.pull_weights.remote([ref], group.names, timeout)
@@ -311,8 +299,6 @@ class Update:
             for rg, names in enumerate(self.sent):
                 for r in self.rank_groups[rg]:
                     buckets.check_strict(names, c.parameter_layouts()[r], c.labels[r])
-        if self.ends_with_pull:
-            return  # ended by its pull
         t0 = time.perf_counter()
         c.session.end(self.session_id, self.version, self.flush_cache)
         self.end_seconds = time.perf_counter() - t0

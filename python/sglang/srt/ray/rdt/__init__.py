@@ -1,13 +1,5 @@
-"""Ray Direct Transport (RDT) weight sync for the Ray backend.
-
-- :mod:`.engine`: what runs in a rollout rank (its pull, lane, actor methods,
-  the engine's session);
-- :mod:`.trainer`: what runs in a trainer (:class:`WeightSyncClient`);
-- :mod:`.transport`: how bytes move (CUDA IPC, ``process_vm_readv``, the
-  ``SGLANG_IPC`` Ray transport) and every Ray-private name used.
-
-``WeightSyncClient`` and ``WeightSyncRankError`` are imported on first use
-(they pull in Ray).
+"""Ray Direct Transport (RDT) weight sync for the Ray backend: :mod:`.engine` runs in a rollout rank,
+:mod:`.trainer` in a trainer, :mod:`.transport` moves bytes. Names that pull in Ray (``_LAZY``) load on first use.
 """
 
 from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError, WeightUpdateConflictError

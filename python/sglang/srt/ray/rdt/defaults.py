@@ -1,10 +1,6 @@
-"""Every default of RDT weight sync, in one place (engine and trainer sides).
+"""Every default of RDT weight sync, engine and trainer sides. Imports nothing, so every module may use it."""
 
-Light: imports nothing, so trainer-side and transport modules may use it.
-"""
-
-# Transports a rank pulls refs of (Ray's tensor-transport names, upper case):
-# NIXL, and the same-node transport of transport/sglang_ipc.py.
+# Ray tensor-transport names a rank pulls refs of (SGLANG_IPC: transport/sglang_ipc.py).
 NIXL = "NIXL"
 SGLANG_IPC = "SGLANG_IPC"
 PULLABLE_TRANSPORTS = (NIXL, SGLANG_IPC)
@@ -23,17 +19,12 @@ SESSION_DRAIN_TIMEOUT_S = 120.0
 
 # Trainer side: bound on every call but pulls (register, layout, session).
 CALL_TIMEOUT_S = 120.0
-# A rank runs a pull at its next safe point (up to SAFE_POINT_TIMEOUT_S
-# away) and then bounds the transfer itself: the trainer waits that long more.
+# A pull starts at a safe point up to SAFE_POINT_TIMEOUT_S away: the trainer waits that much (and 30 s) more.
 PULL_WAIT_MARGIN_S = SAFE_POINT_TIMEOUT_S + 30.0
-# Bucket slot (and group) sizes: one transfer each, two slots in flight. GPU: every
-# group costs a call and a sync; on 2xH200 1 GiB buckets ran 3x faster than
-# 256 MiB ones (docs/performance.md).
+# Bucket slot (and group) sizes: one transfer each, two slots in flight (docs/performance.md).
 CPU_BUCKET_BYTES = 256 << 20
 GPU_BUCKET_BYTES = 1 << 30
-# An iterator read in place goes out in groups of bucket_bytes / this: with
-# at most two buckets' worth alive, the next groups are made while the
-# ranks copy.
+# An iterator read in place goes out in groups of bucket_bytes / this.
 STREAM_GROUPS_PER_BUCKET = 2
 
 

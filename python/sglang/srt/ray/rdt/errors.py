@@ -1,8 +1,4 @@
-"""Every error of RDT weight sync, in one place, and the helpers of their messages.
-
-``WeightSyncError`` (a ``ValueError``) is the base: a pull or update that was
-refused or failed; the message says what happened and what fixes it.
-"""
+"""Every exception a caller can catch (``WeightSyncError`` is the base), and the helpers of their messages."""
 
 from __future__ import annotations
 
@@ -30,9 +26,8 @@ class WeightSyncRankError(WeightSyncError):
     """One or more ranks failed; names the first and carries every failure.
 
     Attributes:
-        rank: index of the first failing rank.
-        actor_name: its SchedulerActor name (``None`` for handles without one).
-        phase: what the caller was doing (``"pull of bucket 2/5"``, ``"register"``).
+        rank, actor_name: the first failing rank and its SchedulerActor name (or ``None``).
+        phase: what the caller was doing (``"register"``).
         cause: the rank's own exception (unwrapped from Ray's ``RayTaskError``).
         failures: ``[(rank, cause), ...]`` for every rank that failed.
         aborted: whether the client aborted the engine's update session.

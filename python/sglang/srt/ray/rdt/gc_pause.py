@@ -1,15 +1,8 @@
-"""Optionally keep Python's cyclic garbage collector out of a rank's weight update.
+"""Optionally keep Python's cyclic garbage collector out of a rank's weight update (never the trainer's).
 
-A full collection in a process that holds Ray, torch and a model stops it
-for 75-107 ms (H200 host), longer than a whole colocated update. With
-``SGLANG_RDT_PAUSE_GC=1`` (off by default: a library does not change its
-host process's interpreter unless asked) a rank's update runs with automatic
-collection off, from its first pull until the update ends, or, on a rank
-that stays paused for the next update, until generation continues. A timer
-turns collection back on after :data:`MAX_HOLD_S` whatever happens.
-Reference counting still frees acyclic garbage. The trainer's collector is
-never touched. Holders nest: the first one turns collection off (if it was
-on), the last one turns it back on.
+With ``SGLANG_RDT_PAUSE_GC=1`` (off by default: the host's interpreter is left alone unless asked) collection is off
+from a rank's first pull until the update ends, or, on a rank kept paused, until generation continues; a timer turns
+it back on after :data:`MAX_HOLD_S` whatever happens. Holders nest: the first turns it off (if on), the last back on.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ import threading
 import time
 from typing import Dict, Optional, Set
 
-# (imported here: a first import inside a rank's first pull cost it ~16 ms)
+# at module level: importing it inside a rank's first pull would slow that pull
 from sglang.srt.environ import envs
 
 # A rank that stays paused longer than this between updates collects again.
@@ -36,8 +29,7 @@ def enabled() -> bool:
 
 
 def pause(holder: str) -> bool:
-    """Hold automatic collection off for ``holder`` (idempotent per holder).
-    Returns whether this call turned it off."""
+    """Hold automatic collection off for ``holder`` (idempotent per holder). Returns whether this call turned it off."""
     global _we_disabled
     if not enabled():
         return False

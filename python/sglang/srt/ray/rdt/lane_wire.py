@@ -1,10 +1,6 @@
-"""The call lane's wire format, shared by the rank (``engine/local_lane.py``)
-and the trainer (``trainer/lane.py``).
-
-A frame is a 4-byte little-endian length and its body. A request's body is
-the lane's 16-byte secret, an 8-byte request id and the pickled ``(op,
-kwargs)``; an answer's body the request id and the pickled answer. The secret
-comes first so the rank can refuse a request before unpickling anything.
+"""The call lane's wire format, both sides. A frame: a 4-byte little-endian length and its body. A request's body:
+the lane's 16-byte secret (first, so a request is refused before anything is unpickled), an 8-byte request id and
+the pickled ``(op, kwargs)``; an answer's: the request id and the pickled answer.
 """
 
 from __future__ import annotations
@@ -27,11 +23,8 @@ def send_frame(sock: socket.socket, *parts: bytes) -> None:
 
 
 def recv_frame(sock: socket.socket, timeout_s: Optional[float] = None) -> Optional[bytes]:
-    """One whole frame, or None when the peer closed the connection before
-    it. Once its first byte is in, the whole frame must arrive within
-    ``timeout_s`` (default :data:`FRAME_TIMEOUT_S`; ``socket.timeout``
-    otherwise): a peer that stalls in the middle of a frame cannot hold the
-    reader."""
+    """One whole frame, or None if the peer closed before it. The frame must arrive within ``timeout_s``
+    (default :data:`FRAME_TIMEOUT_S`; else ``socket.timeout``): a peer stalling mid-frame cannot hold the reader."""
     deadline = time.monotonic() + (FRAME_TIMEOUT_S if timeout_s is None else timeout_s)
     head = _recv_exact(sock, FRAME.size, deadline)
     if head is None:

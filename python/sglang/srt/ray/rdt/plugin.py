@@ -1,10 +1,6 @@
-"""The fork's sglang plugin (entry point ``sglang.srt.plugins``: ``ray_rdt_weight_sync``).
-
-sglang runs general plugins before it resolves any ServerArgs. This one
-registers the flag rules of RDT weight sync as resolution hooks, so they are
-recorded like every other derived setting: ``--enable-rdt-weight-sync``
-implies ``--enable-engine-info-bootstrap`` (trainers read every rank's
-parallelism config from ``/parallelism_config?rank=R``).
+"""The fork's sglang plugin (entry point ``sglang.srt.plugins``: ``ray_rdt_weight_sync``), run before ServerArgs
+resolve: ``--enable-rdt-weight-sync`` implies ``--enable-engine-info-bootstrap`` (trainers read
+``/parallelism_config?rank=R``), declared as a resolution hook.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Call a method on every rank and wait: the one fan-out of weight sync
-(the trainer-side client, the engine's update session and status routes).
-"""
+"""Call every rank and wait: the one fan-out of weight sync, one error naming the ranks that failed."""
 
 from __future__ import annotations
 
@@ -20,10 +18,8 @@ def gather(
     timeout_s: float,
     name_of: Callable[[int], Optional[str]] = lambda rank: None,
 ) -> Dict[int, Any]:
-    """Wait for ``[(rank, call)]`` within ``timeout_s``; one
-    :class:`WeightSyncRankError` naming every rank that failed or timed out.
-    A call is an actor call's ObjectRef or anything with ``result(timeout_s)``
-    (a same-node lane call, ``trainer/lane.py``)."""
+    """Wait for ``[(rank, call)]`` (ObjectRefs, or lane calls with ``result(timeout_s)``) within ``timeout_s``;
+    one :class:`WeightSyncRankError` naming every rank that failed or timed out."""
     import ray
 
     deadline = time.monotonic() + timeout_s
@@ -55,8 +51,7 @@ def gather(
 
 
 def settle(calls: Sequence[Tuple[int, Any]], timeout_s: float) -> None:
-    """Wait (bounded, results ignored) until every call of ``[(rank, call)]``
-    has finished — e.g. before a trainer may change tensors ranks read."""
+    """Wait (bounded, results ignored) until every call of ``[(rank, call)]`` has finished."""
     import ray
 
     deadline = time.monotonic() + timeout_s
@@ -80,8 +75,7 @@ def unfinished(calls: Sequence[Tuple[int, Any]]) -> List[Any]:
 async def call_ranks_async(
     actors: Sequence[Any], method: str, *args, timeout_s: float = RANK_CALL_TIMEOUT_S
 ) -> List[Any]:
-    """``actor.method(*args)`` on every actor, from an event loop (the calls and
-    the wait run on a worker thread); results in the actors' order."""
+    """``actor.method(*args)`` on every actor, awaited on a worker thread; results in the actors' order."""
     if not actors:
         raise WeightSyncRankError(0, None, method, RuntimeError("no scheduler actors"), [])
 

@@ -1,22 +1,9 @@
-"""The weight-sync methods of a rank actor, and the SchedulerActor that has them.
+"""The weight-sync methods of a rank actor (:class:`RankActorApi`), and their SchedulerActor wiring.
 
-:class:`RankActorApi` is the actor API a trainer calls on every rollout rank,
-over the rank core (:class:`~.rank_sync.RankWeightSync`) in ``self._rdt_sync``:
-``register_weight_for_rdt()``, ``pull_weights(weights_refs, param_names)``,
-``open_weight_sync_lane(sender_token, pid)``; the update around the pulls is
-sglang's own lifecycle over HTTP (``/pause_generation``,
-``/begin_weight_update``, pulls, ``/update_weight_version``,
-``/end_weight_update``, ``/continue_generation``: what miles does) or the
-actor calls ``begin_weight_update()``, ``finalize_weight_update()`` and
-``abort_weight_update()`` (on a TP/PP group: called on its first rank, they
-act on every rank in the same loop iteration). A pull is refused unless
-generation is paused and no batch is running; pulls, begin and finalize run
-on the scheduler's own thread between loop iterations.
-
-:class:`RdtWeightSyncMixin` is what an engine started with
-``--enable-rdt-weight-sync`` adds to sglang's SchedulerActor
-(``scheduler_actor.py``); the standalone rank (``sglang/test/rdt_standalone.py``) has the same
-API over a plain model.
+The API runs over the rank core in ``self._rdt_sync`` (``sglang/test/rdt_standalone.py`` has it around a plain
+model). Pulls, begin, finalize and abort run on the scheduler's thread between loop iterations; a pull is refused
+unless generation is paused and no batch is running. On a TP/PP group, begin/finalize/abort and
+``register_lora_adapter`` are called on the group's first rank and act on every rank in the same loop iteration.
 """
 
 from __future__ import annotations
@@ -51,9 +38,8 @@ class RankActorApi:
         return self._rdt_sync
 
     def register_weight_for_rdt(self) -> Dict[str, Any]:
-        """Register every parameter's storage with NIXL once (idempotent), so
-        pulls skip memory registration. Returns ``{"registered": bool, ...}``;
-        with ``--enable-memory-saver`` nothing is registered and ``reason`` says why."""
+        """Register every parameter's storage with NIXL once (idempotent), so pulls skip registration.
+        Returns ``{"registered": bool, ...}``; under ``--enable-memory-saver`` nothing is, and ``reason`` says why."""
         return self._sync().receiver.register()
 
     def pull_weights(self, weights_refs: Sequence[Any], param_names,
@@ -61,56 +47,42 @@ class RankActorApi:
         """Fetch RDT refs straight into this rank's live parameters.
 
         Args:
-            weights_refs: list of refs, each from ``ray.put(list_of_tensors,
-                _tensor_transport="nixl")`` (or ``"SGLANG_IPC"``) in the
-                trainer. Pass them nested (``pull_weights.remote([ref], names)``)
-                so Ray hands over the refs, not their values.
-            param_names: the parameter name of every tensor — one flat list in
-                the refs' order (miles' shape) or one list per ref. Names are
-                this rank's ``model.named_parameters()`` names; tensors must be
-                in its layout (dtype, shape of its TP shard).
+            weights_refs: refs from ``ray.put(tensors, _tensor_transport="nixl")`` (or ``"SGLANG_IPC"``), passed
+                nested (``pull_weights.remote([ref], names)``) so Ray hands over the refs, not their values.
+            param_names: this rank's ``named_parameters()`` name of every tensor: one flat list in the refs'
+                order (miles' shape) or one list per ref. Tensors must be in its layout (dtype, TP shard shape).
             timeout: seconds for the transfer (default ``rdt_pull_timeout``).
 
         Returns: ``{"tensors", "bytes", "seconds", "gbps", "transport", ...}``.
 
-        Raises ``WeightSyncError`` before any byte moves for a bad call (names,
-        shapes, dtypes, refs), or when generation may be running;
-        ``WeightUpdateConflictError`` before any byte moves when another
-        writer already wrote one of the parameters in this update;
-        ``WeightsInconsistentError`` when a transfer broke mid-way.
+        Raises: ``WeightSyncError`` before any byte moves for a bad call (names, shapes, dtypes, refs) or while
+        generation may run; ``WeightUpdateConflictError`` before any byte moves when another writer wrote one
+        of the parameters in this update; ``WeightsInconsistentError`` when a transfer broke mid-way.
         """
         return self._sync().pull(weights_refs, param_names, timeout)
 
     def begin_weight_update(self) -> Dict[str, Any]:
-        """Open sglang's weight-update session on this rank (what
-        ``POST /begin_weight_update`` does for every rank)."""
+        """Open sglang's weight-update session on this rank's group (``POST /begin_weight_update``)."""
         return self._sync().begin()
 
     def finalize_weight_update(self, weight_version: Optional[str] = None,
                                flush_cache: bool = True) -> Dict[str, Any]:
-        """End the update on this rank: ``/update_weight_version`` +
-        ``/end_weight_update`` + a prefix-cache flush; without an open session
-        it runs the model's post-load processing itself. Call it once per
-        update, after every rank's pulls returned. Raises ``WeightSyncError``
-        when the update was not a clean one (a broken transfer, two writers of
-        one parameter)."""
+        """End the update: ``/update_weight_version`` + ``/end_weight_update`` + a prefix-cache flush (without
+        an open session, the model's post-load runs here). Call it once, after every rank's pulls returned.
+        Raises ``WeightSyncError`` when the update was not clean (a broken transfer, two writers of a parameter)."""
         return self._sync().finalize(weight_version, flush_cache)
 
     def abort_weight_update(self, reason: str = "update aborted") -> Dict[str, Any]:
-        """Close the update without a version bump; if any pull ran in it,
-        this rank reports its weights as inconsistent until a clean update ends."""
+        """Close the update without a version bump; if a pull touched the weights, they are reported
+        inconsistent until a clean update ends."""
         return self._sync().abort(reason)
 
     def register_lora_adapter(self, lora_name: str, config_dict: Dict[str, Any],
                               lora_id: Optional[str] = None) -> Dict[str, Any]:
-        """Register LoRA adapter ``lora_name`` (``config_dict``: its PEFT
-        adapter_config) for weight sync on this rank's TP/PP group (call it on
-        the group's first rank): created zeroed, or kept when registered with
-        the same config (its slot and weights). Its tensors then travel in a
-        weight update as ``"{lora_name}:{PEFT key}"``, unsharded; the answer
-        lists them (``expected_tensors``: name -> shape, ``dtype``). To serve
-        the adapter by name, register it with ``POST /register_lora_adapter``
-        (which calls this on every group)."""
+        """Register LoRA adapter ``lora_name`` (``config_dict``: its PEFT adapter_config) for weight sync on this
+        rank's TP/PP group: created zeroed, or kept (slot, weights) if the config is the same. Its tensors travel
+        in an update as ``"{lora_name}:{PEFT key}"``, unsharded; returns them (``expected_tensors``: name -> shape,
+        ``dtype``). ``POST /register_lora_adapter`` calls this on every group and serves the adapter by name."""
         import uuid
 
         return self._sync().register_lora(lora_name, config_dict, lora_id or uuid.uuid4().hex)
@@ -125,31 +97,26 @@ class RankActorApi:
         return {}
 
     def get_weight_sync_stats(self) -> Dict[str, Any]:
-        """Per-update figures of this rank: ``last_update`` (the figures of its
-        log line), ``updates``, ``failures`` by kind and the pull counters."""
+        """This rank's figures: ``last_update`` (its log line's), ``updates``, ``failures`` by kind, pull counters."""
         return {**self._sync().stats(), "metrics_enabled": rdt_metrics.enabled()}
 
     def get_parameter_checksums(self) -> Dict[str, str]:
-        """sha256 of every live parameter's bytes (read on the scheduler thread):
-        whether an update landed, or a rejected one changed nothing."""
+        """sha256 of every live parameter's bytes, read on the scheduler thread."""
         return self._sync().parameter_checksums()
 
     def get_parameter_layout(self) -> Dict[str, Dict[str, Any]]:
-        """``{name: {"shape", "dtype", "data_ptr"}}`` of this rank's live
-        parameters: the names, shapes and dtypes a pull expects."""
+        """``{name: {"shape", "dtype", "data_ptr"}}`` of the live parameters: what a pull expects."""
         return self._sync().parameter_layout()
 
     def release_weight_sync_mappings(self, sender_token: Optional[str] = None) -> int:
-        """Close this rank's kept CUDA IPC mappings of one trainer process's
-        memory (``sender_token``; every sender: ``None``), before the trainer
-        frees it. Returns how many closed."""
+        """Close the kept CUDA IPC mappings of trainer process ``sender_token``'s memory (``None``: every
+        sender) before the trainer frees it. Returns how many closed."""
         return self._sync().release_sender(sender_token)
 
     def open_weight_sync_lane(self, sender_token: str, pid: int = 0, probe=None) -> Dict[str, Any]:
-        """A same-node call lane (:mod:`.local_lane`) for the trainer process
-        ``sender_token`` (``same_node.token()`` there; ``pid`` its process id):
-        ``{"address", "secret", "pid", "node_id"}``; ``{"node_id", "unreadable"}``
-        when this rank cannot read ``probe`` (bytes 0..255 the trainer described)."""
+        """Open the same-node call lane (:mod:`.local_lane`) for trainer process ``sender_token`` (its
+        ``same_node.token()``; ``pid``: its process id). Returns ``{"address", "secret", "pid", "node_id", ...}``,
+        or ``{"node_id", "unreadable"}`` when this rank cannot read ``probe`` (bytes 0..255 the trainer described)."""
         return self._sync().open_lane(sender_token, pid, probe)
 
     def shutdown_weight_sync(self) -> int:
@@ -158,8 +125,7 @@ class RankActorApi:
 
 
 class RdtWeightSyncMixin(RankActorApi):
-    """SchedulerActor wiring: the safe-point queue, weight listeners, metrics,
-    the same-node transport and the orphan watch of detached actors."""
+    """SchedulerActor wiring: safe-point queue, weight listeners, metrics, same-node transport, orphan watch."""
 
     def _init_weight_sync(self, server_args) -> None:
         from sglang.srt.managers.scheduler_safe_point import (
@@ -179,8 +145,7 @@ class RdtWeightSyncMixin(RankActorApi):
         attach_safe_point_queue(self.scheduler, safe_point)  # run by the scheduler's loop
         self._rdt_idle_sleep = "off"
         if getattr(self.scheduler, "idle_sleeper", None) is not None:
-            # --sleep-on-idle: a queued pull or finalize wakes the loop at once
-            # instead of after its poll timeout (up to 1 s per call).
+            # --sleep-on-idle: a queued call wakes the loop at once, not after its poll timeout (up to 1 s).
             woken = wake_idle_sleeper_on_tasks(self.scheduler, safe_point)
             self._rdt_idle_sleep = ("wakes on weight-sync calls" if woken
                                     else "weight-sync calls wait for its timeout")
@@ -199,8 +164,7 @@ class RdtWeightSyncMixin(RankActorApi):
         self._rdt_rank_label = labels
         rdt_metrics.configure(bool(getattr(server_args, "enable_metrics", False)), labels)
         add_weight_listener(self.scheduler, self._rdt_sync)
-        # The same-node transport; Ray pushes custom transports to new actors
-        # asynchronously, so register it here ourselves.
+        # Ray pushes custom transports to new actors asynchronously: register the same-node one here.
         try:
             self._rdt_sync.transports.append(sglang_ipc.register())
         except Exception as e:

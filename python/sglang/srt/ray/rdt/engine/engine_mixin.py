@@ -1,11 +1,8 @@
-"""Weight-update session methods of ``RayEngine`` (the offline engine API).
-
-The same session the HTTP server exposes under ``/weight_sync/*``::
+"""``RayEngine``'s weight-update session, the one of ``/weight_sync/*``::
 
     engine = RayEngine(model_path=..., enable_rdt_weight_sync=True)
-    actors = engine.get_scheduler_actors()
     engine.begin_weight_sync()            # drains in-flight requests, holds new ones
-    ray.get([a.pull_weights.remote([ref], names) for a in actors])
+    ray.get([a.pull_weights.remote([ref], names) for a in engine.get_scheduler_actors()])
     engine.end_weight_sync(weight_version="7")   # post-load, flush, version; resumes
 """
 

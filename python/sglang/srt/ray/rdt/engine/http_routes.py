@@ -1,8 +1,4 @@
-"""HTTP endpoints that --enable-rdt-weight-sync adds to the Ray HTTP server.
-
-sglang's own lifecycle endpoints (``/pause_generation``, ``/begin_weight_update``,
-``/update_weight_version``, ``/end_weight_update``, ``/continue_generation``)
-drive an update; these add:
+"""HTTP endpoints that --enable-rdt-weight-sync adds to the Ray HTTP server, next to sglang's lifecycle ones:
 
     GET  /parallelism_config[?rank=R]  the per-rank layout
     POST /weight_sync/begin   {"lease_s": 300, "drain_timeout_s": 120}
@@ -12,8 +8,7 @@ drive an update; these add:
     GET  /weight_sync/status  the session, the engine-wide view and every rank's status
     GET  /weight_sync/ranks   the Ray namespace and every rank's actor name and layout
 
-``/weight_sync/*`` is that lifecycle with a drain and a lease (:mod:`.session`);
-the engine-wide figures are derived from the ranks' own state, never stored here.
+Engine-wide figures are derived from the ranks' own state, never stored here.
 """
 
 from __future__ import annotations
@@ -57,10 +52,7 @@ async def full_status(session: WeightSyncSession) -> Dict[str, Any]:
 
 
 async def rank_directory(actors: List[Any]) -> Dict[str, Any]:
-    """What a trainer that knows only this server's URL needs to reach its
-    ranks (``GET /weight_sync/ranks``): the Ray namespace, each rank's actor
-    name in global rank order, the layout, and each rank's parallelism; no
-    secret (a trainer joins the engine's Ray cluster on its own)."""
+    """``GET /weight_sync/ranks``: namespace, actor names (global rank order), parallelism; no secret."""
     placements = await call_ranks_async(actors, "get_ray_placement", timeout_s=STATUS_RANK_TIMEOUT_S)
     configs = await call_ranks_async(actors, "get_parallelism_config", timeout_s=STATUS_RANK_TIMEOUT_S)
     first = configs[0] if configs else {}
@@ -80,7 +72,6 @@ def install_weight_sync_routes(app, server_args, launched) -> WeightSyncSession:
     session = WeightSyncSession(launched.tokenizer_manager,
                                 lambda: launched.scheduler_init_result.scheduler_actors)
     install_parallelism_config_read_route(app, current_store)
-    # /server_info carries the same status under "weight_sync".
     register_server_info_provider("weight_sync", lambda: full_status(session))
 
     async def call(coro):

@@ -1,33 +1,16 @@
-"""A rank's same-node call lane: updates from a trainer on its node, without Ray.
+"""A rank's same-node call lane: a trainer on its node sends pulls, finalize and abort over a Unix socket.
 
-A trainer on the rank's node describes its tensors itself (CUDA IPC handles
-or host addresses, ``transport/same_node.py``) and sends that description
-over a Unix socket served by one thread of the rank's process: no
-``ray.put``, no Ray actor call (~0.1 ms a call against ~2.5 ms). The rank runs
-its core's own pull (:meth:`RankWeightSync.pull_sources`), with the same
-checks and records as ``pull_weights``; ``finalize`` and ``abort`` come the
-same way. A layout (names, shapes, dtypes) is sent once per connection with
-an id; later requests name the id and carry only where the bytes are (and
-a description of kept memory, the trainer's staging pool, likewise: sent
-once, then named).
+Requests run the core's own calls. A layout (names, shapes, dtypes) and a description of kept memory are sent
+once per connection, then named by id.
 
-Threads: one serves the socket (reads every request, answers all but pulls);
-a pull is handed to one of :data:`PULL_WORKERS` threads that waits for the
-scheduler to run it and answers it, so the next pull is read and queued at
-the scheduler's safe point while this one copies (back to back, no round
-trip between them). Anything else on a connection, and its end, waits
-for that connection's pulls first (bounded like the pulls). A pull
-that asks for a fence (a GPU read of the staging pool) is answered as soon
-as its copy is queued: the trainer waits on the rank's inter-process event
-(handed out with the lane) before it lets go of its tensors, and the
-scheduler waits for the copy before its next work
-(``RankWeightSync._settle_next``).
+Threads: one serves the socket (reads every request, answers all but pulls); each pull goes to one of
+:data:`PULL_WORKERS` threads that waits for the scheduler to run it and answers it, so the next pull is queued
+while this one copies. Anything else on a connection, and its end, first waits (bounded) for its pulls. A fenced
+pull is answered once its copy is queued (``RankWeightSync._settle_next``).
 
-Who may call: the socket lives in a fresh 0700 directory, and every request
-carries the lane's 16-byte secret, checked before the request is unpickled.
-The secret is handed out only by the actor call ``open_weight_sync_lane``
-(guarded by Ray's token authentication); the trainer process that asked is
-the writer of every pull on its connection.
+Who may call: the socket lives in a fresh 0700 directory, and every request carries the lane's secret, checked
+before anything is unpickled; only the actor call ``open_weight_sync_lane`` hands it out. The trainer process
+that asked is the writer of every pull on its connection.
 """
 
 from __future__ import annotations
@@ -69,8 +52,7 @@ PULL_WORKERS = 2
 
 
 def remove_dead_lanes(base: str) -> int:
-    """Remove the lane directories under ``base`` of this user's processes
-    that are gone (a killed rank cannot remove its own). Returns how many."""
+    """Remove this user's lane directories under ``base`` whose process is gone. Returns how many."""
     import glob
 
     n = 0
@@ -100,8 +82,7 @@ class _Connection:
         self.send_lock = threading.Lock()  # guards writing answers to the socket
 
     def settle(self) -> None:
-        """Wait for the pulls in flight: what comes next is ordered after
-        them (each pull ends within its own bound; this wait has one too)."""
+        """Wait (bounded) for the pulls in flight: what comes next is ordered after them."""
         futures_wait(self.pulls, timeout=PULL_TIMEOUT_S + PULL_WAIT_MARGIN_S)
         self.pulls = [f for f in self.pulls if not f.done()]
         if self.pulls:
@@ -124,11 +105,9 @@ class RankLane:
         self._stop = threading.Event()
         self._defined = 0  # layouts defined on any connection (serving thread only)
         self.calls = 0
-        # Pulls wait for the scheduler here, so the serving thread reads the
-        # next request meanwhile and the rank copies it right after this one.
+        # Pulls wait for the scheduler here while the serving thread reads the next request.
         self._workers = ThreadPoolExecutor(max_workers=PULL_WORKERS, thread_name_prefix="rdt-lane-pull")
 
-    # -- the actor side ------------------------------------------------------ #
     def open(self, sender: str, pid: int = 0) -> Dict[str, Any]:
         """Start serving (once) and admit trainer process ``sender``."""
         with self._lock:
@@ -146,8 +125,7 @@ class RankLane:
         if len(base) > 60:  # a Unix socket path must stay under ~107 bytes
             base = "/tmp"
         remove_dead_lanes(base)
-        # mode 0700; named by pid, so a later rank can remove it if this
-        # process dies without closing its lane (killed actors do)
+        # mode 0700; named by pid, so a later rank removes it if this process dies without closing it
         self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=base)
         atexit.register(shutil.rmtree, self._dir, True)
         self._address = os.path.join(self._dir, "lane")
@@ -173,7 +151,6 @@ class RankLane:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
-    # -- the serving thread --------------------------------------------------- #
     def _serve(self, listener: socket.socket) -> None:
         sel = selectors.DefaultSelector()
         sel.register(listener, selectors.EVENT_READ)

@@ -1,15 +1,8 @@
-"""LoRA adapter-only weight sync on a rank: register, land, commit.
+"""LoRA adapter-only weight sync on a rank: register, land, commit (sglang #36384, miles #2756).
 
-The sglang-miles contract (sglang #36384, miles #2756): an adapter is
-registered by name and PEFT config (``register_lora_adapter``), starting
-zeroed; its tensors travel in the normal weight update named
-``"{lora_name}:{PEFT key}"`` (unsharded, as PEFT saves them), alone or next to
-base-model parameters; when the update ends, requests with
-``"lora_path": lora_name`` are served the new adapter, in place. The stash the
-tensors land in and the commit are :mod:`sglang.srt.lora.adapter_stash`'s;
-this class ties them to the rank core: the rank's parameters for the plan
-include the stashes, an update's end commits what it wrote, a dropped one
-restores it.
+An adapter registered by name and PEFT config starts zeroed; its tensors travel in a weight update as
+``"{lora_name}:{PEFT key}"`` (unsharded) and are served in place when it ends. The stash and the commit are
+:mod:`sglang.srt.lora.adapter_stash`'s; an update's end commits what it wrote, a dropped one restores it.
 """
 
 from __future__ import annotations
@@ -24,17 +17,14 @@ logger = logging.getLogger(__name__)
 
 
 class RankLoRA:
-    """A rank's registered adapters (``port``: its scheduler port, with
-    ``lora_layout(config) -> (layout, dtype, device)`` and ``lora_apply(stash)``)."""
+    """A rank's registered adapters, over its port's ``lora_layout(config)`` and ``lora_apply(stash)``."""
 
     def __init__(self, port):
         self.port = port
         self.stashes = AdapterStashes()
 
     def register(self, lora_name: str, config: Dict[str, Any], lora_id: str) -> Dict[str, Any]:
-        """Create the adapter zeroed (a new name, or a changed config) or keep
-        it (the same config): its slot, its weights. Returns what a trainer
-        sends: every tensor's name, shape and dtype."""
+        """Create the adapter zeroed (new name or config) or keep it. Returns what a trainer sends (names, shapes)."""
         if not lora_name or SEP in lora_name:
             raise WeightSyncError(f"a LoRA adapter name must be non-empty and without {SEP!r}: {lora_name!r}")
         layout, dtype, device = self.port.lora_layout(config)

@@ -1,19 +1,7 @@
-"""Prometheus metrics of RDT weight sync on a rank.
+"""Prometheus metrics of RDT weight sync on a rank (``--enable-metrics``), labelled dp/pp/tp rank.
 
-With ``--enable-metrics`` a SchedulerActor exports, next to sglang's own
-scheduler metrics and labelled with its ``dp_rank``/``pp_rank``/``tp_rank``:
-``sglang:rdt_weight_pulls_total``, ``sglang:rdt_weight_pull_bytes_total``,
-``sglang:rdt_weight_pull_tensors_total``, ``sglang:rdt_weight_pull_seconds``,
-``sglang:rdt_weight_updates_total``, ``sglang:rdt_weight_update_seconds`` and
-``sglang:rdt_weight_sync_failures_total{kind=...}`` (kinds:
-:data:`FAILURE_KINDS`). They go where sglang's own scheduler metrics of the
-process go: prometheus_client in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``,
-on the server's ``/metrics``), else sglang's Ray wrappers (Ray's metrics
-endpoint, ``ray_`` prefix).
-
-Everything is off until :func:`configure` turns it on; the ``record_*``
-functions return at once until then. The rank's
-:class:`~.update_state.RankUpdateState` is their only caller.
+They go where sglang's scheduler metrics of the process go (:func:`default_backend`). Off until
+:func:`configure`; the ``record_*`` functions, called only by ``RankUpdateState``, never raise.
 """
 
 from __future__ import annotations
@@ -25,15 +13,13 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
-# Seconds: a 1 MiB CPU pull takes ~1 ms, a 16 GiB GPU update ~0.1 s, a
-# cross-node update of a large model many seconds.
+# From a 1 MiB CPU pull (~1 ms) to a cross-node update of a large model (many seconds).
 SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 FAILURE_KINDS = ("rejected", "conflict", "transfer", "finalize", "abort", "other")
 
 
 def _sglang_uses_ray_collectors() -> bool:
-    """Whether sglang's own collectors in this process are the Ray-backed ones
-    (``RayEngine(enable_metrics=True)`` sets them)."""
+    """Whether sglang's collectors here are the Ray-backed ones (``RayEngine(enable_metrics=True)``)."""
     try:
         from sglang.srt.runtime_context import get_observability
 
@@ -44,8 +30,7 @@ def _sglang_uses_ray_collectors() -> bool:
 
 
 def default_backend() -> str:
-    """Where sglang's own scheduler metrics of this process go: ``prometheus``
-    (multiprocess files the server's ``/metrics`` reads) or ``ray``."""
+    """``prometheus`` (multiprocess files the server's ``/metrics`` reads) or ``ray`` (``ray_`` prefix)."""
     if _sglang_uses_ray_collectors():
         return "ray"
     d = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
@@ -69,9 +54,7 @@ def metric_factories(backend: str) -> Tuple[Callable[..., Any], Callable[..., An
 
 
 class RdtMetrics:
-    """The metric set of one process. ``counter(name=, documentation=,
-    labelnames=)`` and ``histogram(..., buckets=)`` build the metrics; they
-    default to the classes of :func:`default_backend`."""
+    """The metric set of one process; ``counter``/``histogram`` default to :func:`default_backend`'s."""
 
     def __init__(self, labels: Optional[Mapping[str, Any]] = None, *,
                  counter: Optional[Callable[..., Any]] = None,
@@ -119,16 +102,13 @@ class RdtMetrics:
         self._l(self.failures, kind=kind).inc(1)
 
 
-# The process-wide instance (one SchedulerActor per process).
 _lock = threading.Lock()  # guards the process-wide metrics instance
 _metrics: Optional[RdtMetrics] = None
 
 
 def configure(enabled: bool, labels: Optional[Mapping[str, Any]] = None,
               **factories) -> Optional[RdtMetrics]:
-    """Turn the metrics of this process on (``enabled``) or off; ``labels``
-    go on every sample. A failure to create them (no Ray, a name clash) is
-    logged and leaves them off: metrics never break weight sync."""
+    """Turn this process's metrics on or off (``labels`` on every sample); failing to create them leaves them off."""
     global _metrics
     with _lock:
         if not enabled:

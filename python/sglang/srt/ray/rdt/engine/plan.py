@@ -1,10 +1,7 @@
 """Where each pulled tensor lands: pure checks over names, shapes and dtypes.
 
-:func:`plan_pull` takes the tensor specs of every source, the parameter
-names the caller gave and the live parameters, and returns the targets of
-each source, or raises :class:`WeightSyncError` before a single byte moves:
-every source is checked before any is read, so a rejected pull touches no
-weight. :class:`PlanCache` keeps the plans for the layouts that come again.
+Every source is checked before any is read, so a rejected pull touches no weight; :class:`PlanCache` keeps the
+plans of layouts that come again.
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ NamesArg = Union[Sequence[str], Sequence[Sequence[str]]]
 
 
 def group_names(param_names: NamesArg, counts: Sequence[int]) -> List[List[str]]:
-    """Split ``param_names`` into one list per ref: one flat list in the
-    refs' tensor order (miles' call shape), or one list per ref."""
+    """Split ``param_names`` (flat in the refs' tensor order, or one list per ref) into one list per ref."""
     if type(param_names) is list and len(counts) == 1 and len(param_names) == counts[0] and all(
             type(n) is str for n in param_names):
         return [list(param_names)]  # one ref, one flat list of names (miles' call)
@@ -77,7 +73,6 @@ def group_names(param_names: NamesArg, counts: Sequence[int]) -> List[List[str]]
 
 
 def _where(ref_idx: int, pos: int) -> str:
-    """A tensor's place in a pull, for errors (formatted only when one is raised)."""
     return f"ref {ref_idx} tensor {pos}"
 
 
@@ -142,10 +137,7 @@ MAX_CACHED_PLANS = 256
 
 
 class CachedPlan:
-    """The targets :func:`plan_pull` chose for one layout (per source, with
-    their addresses and sizes), and what each target parameter was when
-    planned: object, address, and the shape and dtype of its spec (which
-    :func:`plan_pull` found it has, contiguous)."""
+    """The targets :func:`plan_pull` chose for one layout, and what each target parameter was when planned."""
 
     __slots__ = ("targets", "nbytes", "count", "_params", "_ptrs", "_specs")
 
@@ -157,15 +149,13 @@ class CachedPlan:
         self.nbytes = sum(int(t.nbytes.sum()) for t in self.targets)
         self.count = sum(len(ts) for ts in targets)
         self._params = list(params)
-        # (a target is its parameter's data: the same address; nothing more is
-        # looked at per parameter here, on the way of a pull)
+        # (a target is its parameter's data: the same address)
         self._ptrs = np.concatenate([t.ptrs for t in self.targets]) if self.targets else None
         self._specs = list(specs)
 
     def still_live(self) -> bool:
-        """Every target parameter still has the address, shape and dtype it
-        was planned with, contiguous (the plan's views keep the old storage
-        from being handed out again). Asked between updates, after a walk."""
+        """Every target parameter still has its planned address, shape and dtype, contiguous (the plan's
+        views keep the old storage from being handed out again)."""
         from sglang.srt.ray.rdt.transport.metadata import addresses
 
         if self._ptrs is not None and not np.array_equal(addresses(self._params)[0], self._ptrs):
@@ -175,18 +165,10 @@ class CachedPlan:
 
 
 class PlanCache:
-    """The live parameters as one walk of the model found them, and the pull
-    plans made against them (a layout seen before reuses its plan).
-
-    The model is walked at the first pull and again at the first pull after
-    anything that may move parameters: after an update's end or an sglang
-    weight load (:meth:`mark_stale`) the plans survive the new walk only if
-    every target parameter is as planned; memory release/resume,
-    (de)registration and a failed pull drop them (:meth:`forget`).
-
-    Its own lock guards it: pulls plan on the scheduler's thread (under the
-    receiver's lock, taken first); a lane's ``prepare`` from its own thread.
-    """
+    """One walk of the model's live parameters and the pull plans made against it. After :meth:`mark_stale`
+    (an update's end, an sglang weight load) plans survive the next walk only if their targets are unchanged;
+    :meth:`forget` (memory release/resume, (de)registration, a failed pull) drops them. Its own lock guards it;
+    pulls plan on the scheduler's thread under the receiver's lock (taken first)."""
 
     def __init__(self, get_params: Callable[[], Mapping[str, torch.Tensor]]):
         self._get_params = get_params
@@ -203,8 +185,7 @@ class PlanCache:
             self._plans.clear()
 
     def restart(self, params: Mapping[str, torch.Tensor]) -> None:
-        """Plan every layout anew against ``params``, a walk of the model
-        made just now (the next pull does not walk again)."""
+        """Plan anew against ``params``, a walk made just now (the next pull does not walk again)."""
         with self._lock:
             self.params = params
             self._stale = False
@@ -221,8 +202,7 @@ class PlanCache:
         return self._stale
 
     def refresh(self) -> bool:
-        """Walk the model again if it may have changed, keeping only the
-        plans whose parameters are as they were planned. Returns whether it walked."""
+        """Walk again if stale, keeping only plans whose parameters are unchanged. Returns whether it walked."""
         with self._lock:
             if not self._stale:
                 return False
@@ -243,9 +223,7 @@ class PlanCache:
             return list(self.params)
 
     def plan(self, specs, names, key: Any = None) -> Tuple[CachedPlan, bool, bool]:
-        """The plan of a pull, whether the model was walked for it, and whether
-        a plan was reused. ``key``: the layout's identity when the caller has
-        one (a lane's layout id), else the names, shapes and dtypes."""
+        """(plan, walked, reused) of a pull; ``key``: the layout's identity (a lane's layout id) or None."""
         with self._lock:
             walked = self.refresh()
             if key is None:

@@ -1,19 +1,9 @@
-"""The rank core of RDT weight sync: one object per rollout rank.
+"""The rank core of RDT weight sync (:class:`RankWeightSync`), reaching the scheduler only through its port.
 
-:class:`RankWeightSync` owns a rank's :class:`~.update_state.RankUpdateState`,
-its :class:`~.receiver.RdtWeightReceiver` and its :class:`~.local_lane.RankLane`,
-and reaches the scheduler only through a :class:`~.scheduler_port.SchedulerPort`,
-so a SchedulerActor and the standalone rank run the same code. Every call
-that touches the model runs on the scheduler's thread at its safe point, and a
-pull is refused unless generation is paused or a session is open, and no
-batch is running.
-
-Threads: the scheduler's loop thread runs every pull, begin, finalize and
-abort; Ray's actor threads and the lane's threads (its serving thread and its
-pull workers) queue that work and wait for it (status and the lane's ``map``
-run on them). Locks, taken in this order:
-the receiver's lock, the update state's lock (never held while taking
-another), the same-node reader's lock.
+Threads: the scheduler's loop thread runs every pull, begin, finalize and abort at its safe point; Ray's actor
+threads and the lane's threads only queue that work and wait (status and the lane's ``map`` run on them). A pull
+is refused unless generation is paused and no batch is running. Locks, taken in this order: the receiver's, the
+update state's (never held while taking another), the same-node reader's.
 """
 
 from __future__ import annotations
@@ -84,8 +74,7 @@ class RankWeightSync:
         self.lane = None  # a RankLane once a trainer on this node opened one
         self._lane_lock = threading.Lock()  # guards making the lane (once)
         self._refresh_posted = False  # prepare_next_pull's walk is queued
-        # Collectives of a multi-rank group (TP/PP) run as group calls
-        # (managers/scheduler_group_calls.py); None: a group of one rank.
+        # GroupCalls of a TP/PP group (managers/scheduler_group_calls.py); None: a group of one rank.
         self.group = None
 
     def _params(self):
@@ -93,12 +82,8 @@ class RankWeightSync:
         yield from self.port.named_parameters()
         yield from self.lora.named_tensors()
 
-    # -- the same-node lane ---------------------------------------------------- #
     def open_lane(self, sender: str, pid: int = 0, probe=None) -> Dict[str, Any]:
-        """The call lane (:mod:`.local_lane`) for trainer process ``sender``:
-        its address and secret, and this rank's node. ``probe``: a same-node
-        description of a few bytes of the trainer's (0, 1, ... 255); a rank
-        that cannot read them answers ``{"unreadable": why}`` instead."""
+        """The call lane for trainer ``sender``, or ``{"unreadable": why}`` if this rank cannot read ``probe``."""
         why = None if probe is None else self._probe_read(probe)
         if why is not None:
             return {"node_id": same_node.node_id(), "unreadable": why}
@@ -127,21 +112,17 @@ class RankWeightSync:
         return None
 
     def release_sender(self, sender: Optional[str] = None) -> int:
-        """Close the kept mappings of ``sender``'s memory (every sender: None)."""
         n = same_node.release(sender)
         if n:
             logger.info("[RDT] closed %d kept CUDA IPC mappings of sender %s", n, sender or "(all)")
         return n
 
-    # -- work on the scheduler's thread -------------------------------------- #
     def on_scheduler(self, fn, timeout_s: float = SAFE_POINT_TIMEOUT_S):
         """Run ``fn()`` on the scheduler thread at its next safe point."""
         return self.safe_point.call(None, lambda _scheduler: fn(), timeout_s)
 
     def quiesced(self) -> Optional[str]:
-        """None when a pull is safe now, else why not (on the scheduler
-        thread): generation must be paused (an open session alone would let
-        requests run between pulls) and no batch running."""
+        """None when a pull is safe now (generation paused, no batch running), else why not."""
         if not self.port.paused():
             return NOT_PAUSED_IN_SESSION if self.port.session_open() else NOT_PAUSED
         try:
@@ -150,13 +131,11 @@ class RankWeightSync:
             return f"could not tell whether a batch is running ({e})"
         return None if idle else "a batch is still running (paused in place?)"
 
-    # -- the update ------------------------------------------------------------ #
     def pull(self, refs, names, timeout: Optional[float] = None) -> Dict[str, Any]:
         """``pull_weights``: land the refs' tensors (quiesced)."""
         return self._pull(lambda: sources_of(refs), names, timeout)
 
     def pull_sources(self, sources, names, timeout: Optional[float] = None, key: Any = None):
-        """A lane request's pull (:mod:`.local_lane`), the same way."""
         return self._pull(lambda: sources, names, timeout, key)
 
     def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None) -> Dict[str, Any]:
@@ -173,8 +152,7 @@ class RankWeightSync:
 
         budget = (timeout or self.receiver.pull_timeout_s) + SAFE_POINT_TIMEOUT_S
         try:
-            # A /pause_generation that returned may reach the scheduler one loop
-            # iteration after this call: look again for a moment first.
+            # A /pause_generation that returned may reach the scheduler an iteration later: look again briefly.
             deadline = time.monotonic() + PAUSE_GRACE_S
             while True:
                 out = self.on_scheduler(run, budget)
@@ -190,9 +168,8 @@ class RankWeightSync:
             raise
 
     def _settle_next(self, names) -> None:
-        """A fenced pull returned with its copy queued (the trainer waits on
-        the rank's event): the scheduler waits for it right after this turn's
-        work, before it may run a batch, close a mapping or read again."""
+        """A fenced pull returned with its copy queued: the scheduler waits for the copy right after this
+        turn's work, before it may run a batch, close a mapping or read again."""
         def settle(_scheduler=None):
             try:
                 same_node.settle()
@@ -211,9 +188,7 @@ class RankWeightSync:
         return self.on_scheduler(lambda: self.receiver.prepare(sources, names, key))
 
     def prepare_next_pull(self) -> None:
-        """Run the walk of the model the next pull would start with (after an
-        update or a load) at the scheduler's next safe point instead; called
-        once an answer has left, off the critical path."""
+        """Queue the next pull's walk of the model for the next safe point (once an answer has left)."""
         if not self.receiver.needs_refresh():
             self._refresh_posted = False  # walked (here or in a pull): post again next time
             return
@@ -229,12 +204,9 @@ class RankWeightSync:
         if not self.safe_point.post(refresh):
             self._refresh_posted = False  # no loop to take it: the next pull walks
 
-    # -- begin, finalize, abort: on every rank of the group at once ------------ #
     def on_group(self, op: str, *args):
-        """Run ``op`` (begin, finalize, abort) on every rank of this rank's
-        TP/PP group in the same iteration of their loops (a group call from
-        the group's first rank; on a group of one, at the safe point): these
-        run collectives, which must never meet the loop's own."""
+        """Run ``op`` on every rank of this TP/PP group in the same loop iteration (a group call from its
+        first rank): these run collectives, which must never meet the loop's own."""
         if self.group is None:
             return self.on_scheduler(lambda: self.group_op(op, args))
         if not self.group.entry:
@@ -265,7 +237,6 @@ class RankWeightSync:
         raise WeightSyncError(f"unknown group call {op!r}")
 
     def register_lora(self, lora_name: str, config: Dict[str, Any], lora_id: str) -> Dict[str, Any]:
-        """Register LoRA adapter ``lora_name`` on every rank of the group (:mod:`.lora_sync`)."""
         try:
             return self.on_group("lora_register", lora_name, dict(config), lora_id)
         finally:
@@ -276,9 +247,8 @@ class RankWeightSync:
 
     def finalize(self, weight_version: Optional[str] = None, flush_cache: bool = True,
                  walk_after: bool = True) -> Dict[str, Any]:
-        """End the update: version, flush, state, post-load. ``walk_after``:
-        queue the next update's walk now (False: the caller runs
-        :meth:`prepare_next_pull` once its answer left, as the lane does)."""
+        """End the update: version, flush, state, post-load. ``walk_after=False``: the caller runs
+        :meth:`prepare_next_pull` once its answer left (the lane does)."""
         try:
             out = self.on_group("finalize", weight_version, flush_cache)
         except WeightSyncError:
@@ -324,9 +294,8 @@ class RankWeightSync:
         return self.state.status()
 
     def writer_gone(self, writer, how: str) -> None:
-        """``writer`` (a trainer process) went away (``how``) with the update it
-        wrote in still open: the weights are inconsistent until a complete update
-        ends; one under a plain pause is aborted (a session ends or expires itself)."""
+        """A trainer process left with the update it wrote in still open: the weights are inconsistent until
+        a complete update ends; an update under a plain pause is aborted (a session ends or expires itself)."""
         reason = f"{writer.label} {how} before the update it wrote in ended"
         kind = self.state.writer_gone(writer.id, reason)
         if kind is None:
@@ -340,8 +309,7 @@ class RankWeightSync:
                 logger.warning("[RDT] aborting the update after its writer left failed: %s", e)
 
     def _end_update(self, flush: bool) -> Dict[str, Any]:
-        """The update's end (scheduler thread): flush the prefix cache when
-        asked and weights were written, close the state. Returns its summary."""
+        """The update's end (scheduler thread): commit adapters, flush if asked, close the state; its summary."""
         extra, written = {}, self.state.written_names()
         try:  # the LoRA adapters it wrote are served from here on
             extra["adapters"] = self.lora.commit(written, self.port.weight_version())
@@ -362,7 +330,6 @@ class RankWeightSync:
         # Still paused for the next update: collection stays off until generation continues.
         self.receiver.end_of_update(resume_gc=not self.port.paused())
 
-    # -- the scheduler's weight events (managers/weight_listeners.py) --------- #
     def on_weights_released(self) -> None:
         self.receiver.on_weights_released()
 
@@ -378,9 +345,7 @@ class RankWeightSync:
         self.state.begin()
 
     def on_weight_update_end(self, aborted: Optional[str] = None) -> Optional[str]:
-        """sglang's ``end_weight_update`` (miles' ``/end_weight_update``): the
-        update ends with a flush, or (``aborted``: why) is dropped. Returns
-        why it is not clean, or None."""
+        """sglang's ``end_weight_update``: end the update, or drop it (``aborted``); why it is not clean, or None."""
         if not self.state.update_open:
             return None  # ended (finalize) or aborted already
         if aborted is not None:
@@ -403,7 +368,6 @@ class RankWeightSync:
             logger.error("[RDT] %s", CONTINUED_MID_UPDATE)
         self.receiver.release_gc()
 
-    # -- reading ------------------------------------------------------------ #
     def status(self) -> RankStatus:
         st = RankStatus(**self.state.status(), **self.receiver.status(),
                         transports=list(self.transports),

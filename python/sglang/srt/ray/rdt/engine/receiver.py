@@ -1,12 +1,6 @@
-"""The receiving side of RDT weight sync: bytes straight into live parameters.
+"""The receiving side of RDT weight sync: a pull is plan -> admit -> read -> record, into live parameters.
 
-:class:`RdtWeightReceiver` runs a rank's pull, independent of the scheduler
-(it gets the parameters from a callable): **plan** every source's tensors
-against the live parameters before any byte moves (:mod:`.plan`), and have
-the update state admit the pull; **transfer**: each source reads itself into
-its targets (:mod:`.sources`); **record** what landed, from whom, and the
-figures. A source that fails after a byte may have landed leaves the rank's
-weights inconsistent until a clean update ends.
+A source that fails after a byte may have landed leaves the weights inconsistent until a clean update ends.
 """
 
 from __future__ import annotations
@@ -56,8 +50,7 @@ class RdtWeightReceiver:
         self._get_params = get_params
         self._device = device
         self.pull_timeout_s = pull_timeout_s
-        # Guards the plans, the registrations and _closed/_weights_released
-        # (never taken while holding the update state's lock).
+        # Guards the plans, registrations, _closed/_weights_released; never taken under the update state's lock.
         self._lock = threading.Lock()
         self._closed = False
         self._weights_released = False
@@ -66,7 +59,6 @@ class RdtWeightReceiver:
         self._nixl_book = registrations is None  # (a given book registers its own way)
         self._registration = ParameterRegistration(get_params, self._plans,
                                                    registration_disabled_reason, registrations)
-        # What updates wrote, consistency and counters (the rank's one owner).
         self.state = state or RankUpdateState(param_names=lambda: list(get_params()))
 
     def register(self) -> Dict[str, Any]:
@@ -96,8 +88,7 @@ class RdtWeightReceiver:
             self._registration.wanted = False
             return self._registration.release()
 
-    # Memory saver: storage keeps its address but loses its pages; a
-    # registration must not outlive the pages it describes.
+    # Memory saver: storage keeps its address but loses its pages, and its registration with them.
     def on_weights_released(self) -> None:
         with self._lock:
             self._weights_released = True
@@ -109,8 +100,7 @@ class RdtWeightReceiver:
             self._registration.resumed()
 
     def on_weights_loaded(self) -> None:
-        """sglang loaded weights its own way (post-load may have replaced
-        parameters): the next pull walks the model first."""
+        """sglang loaded weights its own way: the next pull walks the model first."""
         with self._lock:
             self._plans.mark_stale()
 
@@ -123,9 +113,7 @@ class RdtWeightReceiver:
         gc_pause.resume(GC_HOLDER)
 
     def end_of_update(self, resume_gc: bool = True) -> None:
-        """An update is over: the next pull walks the model again (post-load
-        may have moved parameters). ``resume_gc=False`` (a rank that stays
-        paused) keeps garbage collection off until :meth:`release_gc`."""
+        """The next pull walks again; ``resume_gc=False`` (still paused) keeps gc off until :meth:`release_gc`."""
         with self._lock:
             self._plans.mark_stale()
         if resume_gc or gc_pause.held_for(GC_HOLDER) > gc_pause.MAX_HOLD_S:
@@ -135,9 +123,7 @@ class RdtWeightReceiver:
         return self._plans.stale
 
     def refresh(self) -> bool:
-        """Do now what the next pull would do first: walk the model, keep the
-        plans of unmoved parameters, update the NIXL registrations. Returns
-        whether it walked."""
+        """Do now what the next pull would do first: walk, keep unmoved plans, move the registrations."""
         with self._lock:
             if self._closed or self._weights_released:
                 return False
@@ -152,7 +138,6 @@ class RdtWeightReceiver:
         gc_pause.resume(GC_HOLDER)
 
     def param_names(self) -> List[str]:
-        """The live parameters' names as the last walk of the model found them."""
         return self._plans.param_names()
 
     @property
@@ -169,8 +154,7 @@ class RdtWeightReceiver:
             raise WeightSyncError("the engine is shut down; this rank accepts no more pulls")
 
     def _bind_device(self) -> None:
-        # Ray runs actor methods on threads other than the one that set the
-        # device; CUDA's current device is per thread.
+        # CUDA's current device is per thread, and Ray runs actor methods on other threads.
         if self._device is not None and self._device.type == "cuda":
             torch.cuda.set_device(self._device)
 
@@ -182,8 +166,7 @@ class RdtWeightReceiver:
         self._bind_device()
 
     def prepare(self, sources: Sequence[Any], names, key: Any = None) -> Dict[str, Any]:
-        """Plan a pull of ``sources`` and map what stays mapped (a lane
-        source's kept segments), writing nothing; needs no pause."""
+        """Plan ``sources`` and map a lane source's kept segments, writing nothing; needs no pause."""
         t0 = time.perf_counter()
         with self._lock:
             self._enter()
@@ -198,9 +181,7 @@ class RdtWeightReceiver:
 
     def pull(self, sources: Sequence[Any], names, timeout_s: Optional[float] = None,
              key: Any = None) -> Dict[str, Any]:
-        """Land ``sources`` in the parameters ``names`` (one flat list in the
-        sources' order, or one list per source); ``key``: the layout's
-        identity when the caller keeps one. Returns the pull's figures."""
+        """Land ``sources`` in parameters ``names`` (flat, or per source); ``key``: the layout's identity."""
         timeout_s = self.pull_timeout_s if timeout_s is None else float(timeout_s)
         with self._lock:
             self._enter()

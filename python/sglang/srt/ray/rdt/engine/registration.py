@@ -1,12 +1,7 @@
-"""Keeping a rank's parameters registered with NIXL, and the memory that cannot be.
+"""Keeping a rank's parameters registered with NIXL, and naming the memory that cannot be.
 
-:class:`ParameterRegistration` decides when (asked for by
-``register_weight_for_rdt``, kept on the parameters' current storage at every
-pull, dropped and re-made around memory release/resume);
-:class:`RegistrationBook` registers each storage once and re-registers only
-what moved. Memory of PyTorch's ``expandable_segments`` allocator cannot be
-exported by legacy CUDA IPC, which UCX needs for a GPU path: it is named
-before a pull silently crawls over TCP.
+Memory of PyTorch's ``expandable_segments`` allocator cannot be exported by legacy CUDA IPC, which UCX needs for
+a GPU path: it is named before a pull silently crawls over TCP.
 """
 
 from __future__ import annotations
@@ -56,12 +51,8 @@ def warn_if_expandable_segments(tensors) -> None:
 
 
 class RegistrationBook:
-    """NIXL registrations of parameter storage, keyed by (device, address, size).
-
-    NIXL keys registrations by address: a stale one (memory freed, re-used or
-    grown) fails a transfer or lets it write memory that now belongs to
-    something else, so ``sync`` drops entries whose storage changed.
-    """
+    """NIXL registrations of parameter storage, keyed by (device, address, size). A stale one (memory freed,
+    reused or grown) would fail a transfer or write someone else's memory: ``sync`` drops it."""
 
     def __init__(self, register=None, deregister=None):
         if register is None or deregister is None:
@@ -105,9 +96,7 @@ class RegistrationBook:
 
 
 class ParameterRegistration:
-    """Whether a rank's parameters stay registered with NIXL, and on which
-    storage. Any change of the registrations drops the pull plans; callers
-    hold the receiver's lock."""
+    """Whether and on which storage the parameters stay registered; callers hold the receiver's lock."""
 
     def __init__(self, get_params, plans, disabled_reason: Optional[str] = None,
                  book: Optional[RegistrationBook] = None):
@@ -155,17 +144,14 @@ class ParameterRegistration:
             logger.info("[RDT] re-registered %d parameter storages after resume", len(self.book))
 
     def sync_for_pull(self, targets, walked: bool, reused: bool) -> None:
-        """Keep the registrations on the parameters' current storage: after a
-        walk, on every parameter; otherwise only this pull's targets must be
-        covered (a reused plan's targets did not move since)."""
+        """Keep the registrations on current storage: every parameter after a walk, else this pull's targets."""
         if not self.wanted or self.book is None:
             return
         if walked or not (reused or all(self.book.covers(t) for ts in targets for t in ts)):
             self.after_walk()
 
     def after_walk(self) -> None:
-        """Bring the registrations onto every parameter's current storage
-        (after a walk of the model)."""
+        """Bring the registrations onto every parameter's current storage (after a walk)."""
         if not self.wanted or self.book is None:
             return
         params = self._plans.params if self._plans.params is not None else self._get_params()

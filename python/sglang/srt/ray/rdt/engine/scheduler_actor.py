@@ -1,9 +1,5 @@
-"""The SchedulerActor of an engine started with ``--enable-rdt-weight-sync``.
-
-sglang's own ``SchedulerActor`` class plus :class:`~.actor_mixin.RdtWeightSyncMixin`,
-declared with ``enable_tensor_transport=True`` so that RDT refs can be passed
-to it; engines without the flag create sglang's class as is.
-"""
+"""sglang's SchedulerActor plus :class:`~.actor_mixin.RdtWeightSyncMixin`, for ``--enable-rdt-weight-sync``;
+declared with ``enable_tensor_transport=True`` so RDT refs can be passed to it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""What the rank core needs from a scheduler, and sglang's Scheduler behind it.
-
-:class:`RankWeightSync` talks to a rank only through this interface, so it
-runs the same code in a SchedulerActor and around a plain PyTorch model;
-every reach into sglang's scheduler internals lives in :class:`SglangSchedulerPort`.
-"""
+"""What the rank core needs of a scheduler; every reach into sglang's Scheduler is in :class:`SglangSchedulerPort`."""
 
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ class SchedulerPort(Protocol):
         """Open the rank's weight-update session (raises on failure)."""
 
     def end_session(self, abort: Optional[str] = None) -> Optional[str]:
-        """Close it: post-load processing, listeners (``abort``: why the
-        update is dropped instead). Returns what went wrong."""
+        """Close it: post-load, listeners (``abort``: why it is dropped instead). Returns what went wrong."""
 
     def run_post_load(self) -> None:
         """The model's post-load processing (an update made without a session)."""
@@ -83,8 +77,7 @@ class SglangSchedulerPort:
         return None if out.success else out.message
 
     def run_post_load(self) -> None:
-        # What sglang's end_weight_update does on every runner when a session
-        # made the pulls.
+        # what sglang's end_weight_update does on every runner when a session made the pulls
         for _, runner in self.scheduler.weight_updater._select_runners("all"):
             runner.weight_updater.end_weight_update(run_post_load=True)
 
@@ -102,7 +95,6 @@ class SglangSchedulerPort:
         except Exception:
             return None
 
-    # -- LoRA adapters (sglang's LoRA manager: --enable-lora) ------------------ #
     def _lora_manager(self):
         manager = getattr(self.scheduler.tp_worker.model_runner, "lora_manager", None)
         if manager is None:

@@ -1,19 +1,10 @@
 """The engine's weight-update session: sglang's own lifecycle, plus a drain and a lease.
 
-``/weight_sync/begin|end|abort`` (and ``RayEngine.begin/end/abort_weight_sync``)
-are another spelling of sglang's weight-update lifecycle and keep no update
-state of their own (each rank's :class:`~.update_state.RankUpdateState` does).
-``begin`` takes the tokenizer manager's model-update writer lock (it waits
-for in-flight requests and holds new ones), pauses generation in place (the
-ranks accept pulls only while paused: nothing can run between two pulls)
-and runs ``begin_weight_update`` on every rank; ``end`` sets the weight
-version, runs ``end_weight_update`` (post-load), flushes the cache, continues
-generation and releases the lock, failing with a rank's message when the
-update was not clean; ``abort`` drops the update on every rank
-(``end_weight_update`` with ``abort``) without a version bump. All of it
-goes through sglang's control requests, which every rank of a TP/PP group
-handles in the same loop iteration. A session not ended within its lease is
-aborted by the engine itself, so a dead trainer cannot stop serving forever.
+It keeps no update state (the ranks do). ``begin`` takes the tokenizer manager's model-update writer lock
+(draining in-flight requests, holding new ones), pauses generation in place and runs ``begin_weight_update``;
+``end`` sets the version, runs ``end_weight_update``, flushes, continues generation and releases the lock;
+``abort`` drops the update without a version bump. A session not ended within its lease is aborted by the
+engine, so a dead trainer cannot stop serving forever.
 """
 
 from __future__ import annotations
@@ -50,8 +41,7 @@ class WeightSyncSession:
                 "open_seconds": (time.monotonic() - self._opened_at) if self._opened_at else None}
 
     async def _lifecycle(self, communicator_name: str, obj) -> None:
-        """One of sglang's lifecycle calls on every rank (the writer lock is
-        held by this session already, so the communicator is called directly)."""
+        """One of sglang's lifecycle calls on every rank (this session holds the writer lock already)."""
         from sglang.srt.managers.communicator import FanOutCommunicator
 
         results = await getattr(self._tm, communicator_name)(obj)
@@ -130,8 +120,7 @@ class WeightSyncSession:
                                          "was aborted (lease expired?)")
 
     async def _close(self, reason: str) -> None:
-        """Drop the update on every rank (each marks itself inconsistent if
-        it was touched), then release."""
+        """Drop the update on every rank (a touched one marks itself inconsistent), then release."""
         from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
 
         try:
@@ -143,10 +132,8 @@ class WeightSyncSession:
         await self._release()
 
     async def register_lora(self, lora_name: str, config_dict: Dict[str, Any]) -> Dict[str, Any]:
-        """``POST /register_lora_adapter``: the adapter on every rank (created
-        zeroed, or kept: its id, slot and weights), then its name served by
-        the tokenizer manager. Returns the first rank group's answer (what a
-        trainer sends) with every group's."""
+        """``POST /register_lora_adapter``: register on every rank group, then serve the name. Returns the first
+        group's answer (what a trainer sends), every group's under ``groups``."""
         from sglang.srt.lora.lora_registry import LoRARef
         from sglang.srt.ray.rdt.ranks import call_ranks_async
 

@@ -1,14 +1,6 @@
-"""Where a pull's bytes come from: one small interface, two kinds of source.
+"""Where a pull's bytes come from: :class:`RefSource` (an RDT ref) or :class:`LocalSource` (a lane request).
 
-A source says who wrote it (``writer()``), what it holds (``specs()``) and
-reads itself into the targets the pull planned (``read()``), returning a
-:class:`~sglang.srt.ray.rdt.transport.metadata.ReadResult`.
-:class:`RefSource` is an RDT ``ObjectRef`` given to ``pull_weights``: read
-directly when it is an ``SGLANG_IPC`` ref whose same-node part this process
-can read, else fetched by Ray (NIXL); its writer is its RDT source actor or
-the driver that owns it. :class:`LocalSource` is a same-node description sent
-on the rank's call lane; its writer is the trainer process that opened it.
-"""
+Each has ``writer()``, ``specs()`` and ``read()`` (itself into the pull's targets, returning a ``ReadResult``)."""
 
 from __future__ import annotations
 
@@ -90,9 +82,8 @@ class RefSource:
         return self._ray_get(targets, timeout_s, why)
 
     def _ray_get(self, targets: Targets, timeout_s: float, why: Optional[str]) -> ReadResult:
-        """NIXL through Ray: its references to the targets are weak, so
-        ``targets`` stays referenced here until ``ray.get`` returns; every
-        returned tensor must *be* its target."""
+        """NIXL through Ray, which holds the targets weakly: ``targets`` stays referenced here until
+        ``ray.get`` returns. Every returned tensor must *be* its target."""
         import ray
         from ray.experimental import set_target_for_ref
 

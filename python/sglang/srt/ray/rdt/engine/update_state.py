@@ -1,22 +1,10 @@
-"""The weight-update state of one rank: the single owner of everything an update is.
+"""The weight-update state of one rank (:class:`RankUpdateState`): the single owner of everything an update is.
 
-Every way into an update ends up here: sglang's own lifecycle (what miles
-drives), the engine's ``/weight_sync/*`` session, ``RayEngine``,
-``WeightSyncClient`` and pulls under a plain pause. :class:`RankUpdateState`
-owns whether an update is in progress and what it wrote (pulls, tensors,
-bytes, transports, who wrote each parameter), whether the served weights are
-consistent and why not, and the counters behind ``get_weight_sync_status``,
-the per-update log line and the metrics. The weight version is sglang's; the
-state reads it when an update ends.
-
-A parameter written in one update by two different writers is refused before
-any byte of the second pull lands, and the update is marked conflicting; the
-same writer writing it again (a retry) is allowed and counted. A pull that
-broke mid-transfer makes the rank inconsistent until an update ends in which
-every parameter of that pull was written again and no conflict happened.
-
-Mutating calls run on the scheduler thread; a lock makes the status readable
-from Ray's other threads.
+Every front door ends up here. A second writer of a parameter in one update is refused before any byte of its
+pull lands and the update is marked conflicting (the same writer again, a retry, is allowed and counted). A pull
+that broke mid-transfer leaves the rank inconsistent until an update ends in which every parameter of that pull
+was written again and no conflict happened. The weight version is sglang's, read when an update ends.
+Mutating calls run on the scheduler thread; the lock makes the status readable from other threads.
 """
 
 from __future__ import annotations
@@ -57,8 +45,7 @@ class _Update:
     pull_s: float = 0.0
     transports: List[str] = field(default_factory=list)
     writers: Dict[str, Writer] = field(default_factory=dict)  # param name -> writer
-    # The last landed pull's (names, writer), not yet in ``writers`` (see
-    # :meth:`written`): an update of one pull never builds the per-name map.
+    # the last landed pull's (names, writer), folded into writers lazily: a one-pull update never builds it
     pending: Optional[Tuple[Sequence[str], Writer]] = None
     writer_ids: set = field(default_factory=set)  # every writer that landed a pull
     last_writer: tuple = ()  # (the writer of the last landed pull,)
@@ -87,15 +74,8 @@ class _Update:
 
 
 class RankUpdateState:
-    """One rank's weight-update state machine (see the module docstring).
-
-    Args:
-        param_names: returns the names of the rank's parameters (for "N of M
-            parameters updated" and the never-written list); ``None``: unknown.
-        rank: a label for log lines, e.g. ``"dp0/pp0/tp1"``.
-        weight_version: returns sglang's current weight version.
-        clock: seconds, monotonic (tests pass a fake one).
-    """
+    """One rank's update state. ``param_names()``: its parameter names (for "N of M updated"), ``None`` if unknown;
+    ``rank``: a log label (``"dp0/pp0/tp1"``); ``weight_version()``: sglang's; ``clock``: monotonic seconds."""
 
     def __init__(self, *, param_names: Optional[Callable[[], Sequence[str]]] = None, rank: str = "",
                  weight_version: Optional[Callable[[], Optional[str]]] = None,
@@ -131,8 +111,7 @@ class RankUpdateState:
         return u is not None and u.touched
 
     def begin(self) -> None:
-        """sglang's ``begin_weight_update`` opened a session on this rank
-        (pulls already made under a plain pause stay part of this update)."""
+        """sglang's ``begin_weight_update``; pulls made before under a plain pause join the session."""
         with self._lock:
             if self._update is not None and self._update.kind == "paused":
                 self._update.kind = "session"
@@ -145,9 +124,7 @@ class RankUpdateState:
         return self._update
 
     def admit(self, writes: Sequence[Tuple[Sequence[str], Writer]]) -> None:
-        """Check, before any byte moves, that each ``(names, writer)`` of a
-        pull may be written; :class:`WeightUpdateConflictError` (naming the
-        parameter and both writers) if another writer wrote one in this update."""
+        """Before any byte moves: :class:`WeightUpdateConflictError` if another writer wrote a name in ``writes``."""
         with self._lock:
             u = self._current()
             for names, writer in writes:
@@ -215,9 +192,7 @@ class RankUpdateState:
             self.fail("transfer")
 
     def end(self, **extra: Any) -> Dict[str, Any]:
-        """The update ends (``end_weight_update``, finalize, or continue after
-        a plain pause). Returns its summary: the per-update log line's figures
-        and whether the rank serves a clean update now (``consistent``)."""
+        """The update ends. Returns its summary: the log line's figures and ``consistent``."""
         with self._lock:
             u = self._update or _Update(kind="session", started=self._clock())
             self._update = None
@@ -272,9 +247,7 @@ class RankUpdateState:
         return summary
 
     def writer_gone(self, writer_id: str, reason: str) -> Optional[str]:
-        """A writer that landed pulls in the open update went away before the
-        update ended: its part may be incomplete. Marks the weights
-        inconsistent and returns the update's kind (None: nothing to do)."""
+        """A writer of the open update went away: mark the weights inconsistent; the update's kind, or None."""
         with self._lock:
             u = self._update
             if u is None or writer_id not in u.writer_ids:
@@ -288,8 +261,7 @@ class RankUpdateState:
             return list(self._update.written()) if self._update is not None else []
 
     def interrupted(self, reason: str) -> bool:
-        """Something let generation see the update in progress (``reason``):
-        if it wrote weights, they are inconsistent until a clean update ends."""
+        """Generation saw the update in progress: if it wrote weights, mark them inconsistent."""
         with self._lock:
             if self._update is None or not self._update.touched:
                 return False
@@ -297,8 +269,7 @@ class RankUpdateState:
             return True
 
     def abort(self, reason: str) -> Dict[str, Any]:
-        """Close the update without ending it; the weights are inconsistent if
-        any pull of it touched them."""
+        """Close the update without ending it; weights it touched are inconsistent."""
         with self._lock:
             u, self._update = self._update, None
             self.failed_updates += 1
@@ -322,7 +293,6 @@ class RankUpdateState:
                     "rewrites": u.rewrites, "conflict": u.conflict}
 
     def status(self) -> Dict[str, Any]:
-        """What ``get_weight_sync_status`` reports about updates."""
         with self._lock:
             return {
                 "weights_consistent": self._consistent,

@@ -1,14 +1,4 @@
-"""What a weight update sends, in which group: pure planning for the trainer side.
-
-Nothing here talks to Ray, NIXL or a GPU. ``WeightSyncClient.update`` takes
-what the trainer gives (one mapping for every rank, ``{rank: mapping}`` whose
-equal mappings share a rank group, or an iterator of ``(name, tensor)``:
-:func:`split_payloads`), cuts each rank group's tensors into groups of at
-most a number of bytes (:func:`cut`; one transfer each, a bounded number in
-flight), checks every group against each rank's live parameters once per
-layout (:class:`LayoutBook`) and lays a step (group ``k`` of every rank
-group) out in one bucket slot (:func:`slot_layout`).
-"""
+"""Pure planning of an update: rank groups, groups, layout checks, slot layout. No Ray, NIXL or GPU here."""
 
 from __future__ import annotations
 
@@ -45,7 +35,6 @@ def describe_bytes(n: float) -> str:
 def _checked(name, t):
     if not isinstance(t, torch.Tensor):
         raise WeightSyncError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
-    # A tensor that records no autograd history already is one: no new object.
     return t.detach() if t.requires_grad else t
 
 
@@ -80,8 +69,7 @@ def group_ranks(payload_ids: Sequence[Any]) -> List[List[int]]:
 
 
 def split_payloads(named, n_ranks: int):
-    """``(payloads, rank_groups)``: each rank group's ``{name: tensor}`` (or,
-    for an iterator, its checked pairs) and the ranks of each group."""
+    """``(payloads, rank_groups)``: each rank group's tensors (an iterator's checked pairs) and its ranks."""
     if is_stream(named):
         return [stream_items(named)], [list(range(n_ranks))]
     if isinstance(named, Mapping) and named and all(isinstance(k, int) for k in named):
@@ -118,10 +106,8 @@ class Group:
 
 
 def cut(items, group_bytes: int) -> Iterator[Group]:
-    """Cut ``(name, tensor)`` pairs (or a mapping's), in order, into groups
-    of at most ``group_bytes`` (a larger tensor gets a group of its own),
-    each handed out as soon as it is complete and looked at in one call
-    (:func:`~sglang.srt.ray.rdt.transport.tensor_scan.scan`)."""
+    """Cut ``(name, tensor)`` pairs or a mapping, in order, into groups of at most ``group_bytes`` (a larger
+    tensor alone), each handed out once complete and scanned in one call."""
     if group_bytes <= 0:
         raise ValueError(f"group_bytes must be positive, got {group_bytes}")
     if isinstance(items, Group):  # (a whole mapping, looked at already)
@@ -184,9 +170,7 @@ def _cut_all(names: List[str], tensors: List[torch.Tensor], group_bytes: int,
 
 
 def steps(payloads, rank_groups, group_bytes: int) -> Iterator[List[Tuple[int, Group]]]:
-    """Step ``k``: group ``k`` of every rank group, ``[(rank group, group)]``;
-    the rank groups share ``group_bytes`` (a step fills one bucket slot).
-    Nothing here holds a step once the next one is asked for."""
+    """Step ``k``: group ``k`` of every rank group, ``[(rank group, group)]``; not held once the next is asked for."""
     share = WHOLE if group_bytes == WHOLE else max(ALIGN, group_bytes // len(rank_groups))
     cuts = [cut(p, share) for p in payloads]
     live = list(range(len(cuts)))
@@ -204,8 +188,7 @@ def steps(payloads, rank_groups, group_bytes: int) -> Iterator[List[Tuple[int, G
 
 
 def slot_layout(step: Sequence[Tuple[int, Group]]) -> Tuple[List[List[int]], int]:
-    """Byte offsets of every tensor of ``step`` inside one slot (regions side
-    by side, every offset aligned) and the bytes the step needs."""
+    """Aligned byte offsets of every tensor of ``step`` inside one slot, and the bytes the step needs."""
     offsets, at = [], 0
     for _, group in step:
         room = (group.scan.nbytes + (ALIGN - 1)) // ALIGN * ALIGN
@@ -216,10 +199,8 @@ def slot_layout(step: Sequence[Tuple[int, Group]]) -> Tuple[List[List[int]], int
 
 
 def slot_bytes_for(layouts: Sequence[Sequence[int]], group_bytes: int) -> int:
-    """A slot that holds any step of an update of tensors of these byte sizes
-    (one list per rank group) cut into ``group_bytes``, whatever their order:
-    per rank group, a share of the bytes plus every tensor's alignment, or a
-    larger tensor on its own, and never more than all of its tensors."""
+    """A slot size for any step of tensors of these byte sizes (a list per rank group) cut into ``group_bytes``,
+    in any order: per rank group, its share plus alignment, or its largest tensor, at most all its tensors."""
     share = max(ALIGN, group_bytes // max(len(layouts), 1))
     need = 0
     for sizes in layouts:
@@ -230,8 +211,7 @@ def slot_bytes_for(layouts: Sequence[Sequence[int]], group_bytes: int) -> int:
 
 def check_tensors(names: Sequence[str], shapes, dtypes, layout: Mapping[str, Mapping[str, Any]],
                   rank: str) -> None:
-    """Raise :class:`WeightSyncError` unless every tensor fits the rank's
-    ``layout`` (``get_parameter_layout()``: ``{name: {"shape", "dtype"}}``)."""
+    """Raise :class:`WeightSyncError` unless every tensor fits the rank's ``get_parameter_layout()``."""
     want_of = expected_specs(layout)
     for name, shape, dtype in zip(names, shapes, dtypes):
         want = want_of.get(name)
@@ -242,15 +222,12 @@ def check_tensors(names: Sequence[str], shapes, dtypes, layout: Mapping[str, Map
             _mismatch(name, shape, dtype, want, rank)
 
 
-# id(layout) -> (layout, {name: (shape, dtype name, torch dtype or None)}): a rank's
-# layout is the same object until the client fetches it again.
+# id(layout) -> (layout, specs): a rank's layout is the same object until the client fetches it again.
 _expected_cache: Dict[int, Tuple[Mapping[str, Any], Dict[str, tuple]]] = {}
 
 
 def expected_specs(layout: Mapping[str, Mapping[str, Any]]) -> Dict[str, tuple]:
-    """What a rank's layout expects of each tensor: ``{name: (shape, dtype
-    name, torch dtype)}``, read once per layout object (the client reads
-    each rank's when it fetches them, so an update's checks only compare)."""
+    """``{name: (shape, dtype name, torch dtype or None)}`` of a rank's layout, read once per layout object."""
     hit = _expected_cache.get(id(layout))
     if hit is not None and hit[0] is layout:
         return hit[1]
@@ -293,10 +270,8 @@ def check_strict(sent: Iterable[str], layout: Mapping[str, Any], rank: str) -> N
 
 
 class LayoutBook:
-    """Which layouts passed the checks: per (rank group, group index) the
-    names and the scan (shapes, dtypes) last seen, and their layout id. A
-    group equal to the last one is not checked again; its id is what the
-    lanes know it by."""
+    """Layouts that passed the checks, per (rank group, group index). A group equal to the last one is not
+    checked again; its layout id is what the lanes know it by."""
 
     def __init__(self):
         self._last: Dict[Tuple[int, int], Tuple[List[str], Scan, int]] = {}

@@ -1,24 +1,5 @@
-"""Push new weights from a trainer into a running SGLang engine over RDT, in one call.
-
-:class:`WeightSyncClient` is what a trainer uses from any Ray job::
-
-    from sglang.srt.ray.rdt import WeightSyncClient
-
-    client = WeightSyncClient.connect(port=30000, namespace="rollout", host="10.0.0.5",
-                                      dp_size=2, address="10.0.0.5:6379", device="cuda")
-    client.register()
-    for step in range(steps):
-        train_step()
-        client.update(gathered_tensors(model), version=f"step-{step}")   # a generator
-    client.close()
-
-An update checks every name, shape and dtype against each rank's live
-parameters before its bytes move, then runs the engine's update session
-(:mod:`.update`). Ranks on this node read the trainer's own GPU tensors in
-place over their call lanes; others read copies in the client's two bucket
-slots. Tensors are in the rollout layout (``{rank: mapping}`` with TP > 1), or
-one unsharded Hugging Face state dict with ``layout="hf"`` (:mod:`.hf_reshard`).
-"""
+"""WeightSyncClient: push a trainer's weights into a running SGLang engine over RDT. One ``update()`` of a client
+runs at a time (``_busy``); every name, shape and dtype is checked before any byte moves (:mod:`.update`)."""
 
 from __future__ import annotations
 
@@ -56,47 +37,28 @@ _LANE_OPS: Dict[str, Tuple[str, Callable[..., Dict[str, Any]]]] = {
 
 
 class WeightSyncClient:
-    """Drive RDT weight updates of one SGLang engine from a trainer.
-
-    Build it with :meth:`connect` (from the engine's port, namespace and
-    layout, in any Ray job of the cluster), :meth:`from_engine` (an in-process
-    ``RayEngine``) or the constructor (actor handles plus ``url=`` or ``engine=``).
+    """Drive RDT weight updates of one SGLang engine from a trainer (see also :meth:`connect`, :meth:`from_engine`).
 
     Args:
         actors: the SchedulerActor handles, in global rank order.
         names: their actor names (for error messages), if known.
-        url: the engine's HTTP address: the session is ``POST /weight_sync/*``.
-        engine: a ``RayEngine`` (``begin/end/abort_weight_sync``) instead.
-            With neither, the caller must have paused generation
-            (``/pause_generation``); the client then finalizes
-            (``finalize_weight_update``) or aborts each rank.
-        bucket_bytes: the size of each of the two bucket slots (one group
-            each) and the bound of a streamed update read in place (two
-            buckets' worth alive). Default: 1 GiB for CUDA tensors, 256 MiB
-            for host memory.
-        device: where the trainer's tensors (and the bucket slots) live.
-        pull_timeout_s: transfer timeout per pull on a rank (default: the
-            engine's ``--rdt-pull-timeout``).
+        url: the engine's HTTP address; the session is ``POST /weight_sync/*``.
+        engine: a ``RayEngine`` instead of ``url``. With neither, the caller must have paused generation; the
+            client then finalizes or aborts each rank.
+        bucket_bytes: size of each of the two bucket slots, and the bound of an iterator read in place (two
+            buckets alive). Default: 1 GiB on CUDA, 256 MiB on the CPU.
+        device: where the trainer's tensors (and the slots) live.
+        pull_timeout_s: transfer timeout per pull on a rank (default: the engine's ``--rdt-pull-timeout``).
         lease_s: the engine aborts a session not ended within this many seconds.
         call_timeout_s: bound on every other call (register, layout, session).
-        sender: ``"local"`` or None: the bucket slots live in this process.
-        transport: how ranks without a lane pull slot refs: ``"auto"``
-            (``"SGLANG_IPC"`` when every such rank accepts it, else ``"nixl"``),
-            ``"SGLANG_IPC"`` or ``"nixl"`` (every rank, no lanes). NIXL is
-            refused for a rank on the trainer's own GPU (UCX falls back to TCP there).
-        export: ``"auto"``: ranks on this node that see the trainer's GPU read
-            its CUDA tensors in place; otherwise buckets. ``"direct"``: read in
-            place (host-memory tensors too) or fail before anything moves,
-            saying why. ``"buckets"``: always copy.
-        lane: reach ranks on this node over their call lane (a Unix socket:
-            ~0.1 ms a call against ~2.5 ms for a Ray actor call). False: Ray
-            calls and slot refs only.
-        api_key: the engine's key for ``url`` (its ``--admin-api-key`` when
-            it has one, else ``--api-key``), a Bearer token on every HTTP call;
-            default ``$SGLANG_RDT_API_KEY``.
-        staging: keep a staging pool on the GPU (:mod:`.staging`) for the
-            tensors of generators passed to ``update()`` and the bucket slots,
-            so ranks keep their mappings of it across updates.
+        sender: ``"local"`` or None (the slots live in this process).
+        transport: how ranks without a lane pull slot refs: ``"auto"``, ``"SGLANG_IPC"``, or ``"nixl"`` (every
+            rank, no lanes; refused for a rank on the trainer's own GPU).
+        export: ``"auto"`` (in place where the ranks can, else buckets), ``"direct"`` (in place, or fail before
+            anything moves) or ``"buckets"`` (always copy).
+        lane: reach ranks on this node over their call lane; False: Ray calls and slot refs only.
+        api_key: the engine's ``--admin-api-key`` (else ``--api-key``); default ``$SGLANG_RDT_API_KEY``.
+        staging: :meth:`staging` allocates in the staging pool (:mod:`.staging`), which ranks keep mapped.
     """
 
     def __init__(
@@ -168,29 +130,20 @@ class WeightSyncClient:
                 host: str = "127.0.0.1", dp_size: int = 1, tp_size: int = 1, pp_size: int = 1,
                 bundle_index: Union[int, Callable[[int, int, int], int]] = 0,
                 address: Optional[str] = None, **kwargs) -> "WeightSyncClient":
-        """Find a running engine's ranks: from its URL alone
-        (``connect(url=..., api_key=...)``: the engine names its ranks,
-        ``GET /weight_sync/ranks``), or by their actor names rebuilt from its
-        port, namespace and layout.
+        """A client for a running engine's ranks: named by the engine at ``url`` alone (``GET /weight_sync/ranks``),
+        or found by actor names rebuilt from ``port``, ``namespace`` and layout. Raises ``ValueError`` without
+        either, :class:`WeightSyncError` when Ray cannot be joined or a rank's actor is not found.
 
         Args:
-            url: the engine's HTTP address; alone, everything else is asked of it.
-            api_key: the engine's key (its ``--admin-api-key`` when it has one,
-                else ``--api-key``), sent on every HTTP call; default
-                ``$SGLANG_RDT_API_KEY``.
-            port: the engine's HTTP ``--port`` (part of every actor name).
-            namespace: the engine's ``--ray-namespace``.
-            node_ip: the node of the engine's rank 0, as Ray names it; default:
-                ``host`` unless it is a loopback/any address, else this node.
-            host: where the engine's HTTP server listens (the session URL).
-            dp_size, tp_size, pp_size: the engine's layout; ranks are ordered
-                dp, then pp, then tp (the engine's global rank).
-            bundle_index: the placement-group bundle of each rank: an int, or
-                ``f(dp_rank, pp_rank, tp_rank)``; 0 for a single-node engine.
-            address: Ray cluster to connect to when this process has no Ray
-                context yet (with ``RAY_AUTH_MODE=token`` for token-auth heads).
-            url: the session URL, if not ``http://{host}:{port}``.
-            **kwargs: passed to the constructor (``bucket_bytes``, ``device``, ...).
+            port, namespace: the engine's HTTP ``--port`` and ``--ray-namespace``.
+            url: the engine's HTTP address (default ``http://{host}:{port}``).
+            api_key: as for the constructor.
+            host, node_ip: where the engine's HTTP server listens; the Ray node of rank 0 (default ``host``, or
+                this node if ``host`` is a loopback/any address).
+            dp_size, tp_size, pp_size: the engine's layout; ranks are ordered dp, then pp, then tp.
+            bundle_index: each rank's placement-group bundle: an int or ``f(dp_rank, pp_rank, tp_rank)``.
+            address: the Ray cluster to join when this process has no Ray context yet.
+            **kwargs: passed to the constructor.
         """
         ensure_ray(address)
         if port is None:
@@ -215,8 +168,7 @@ class WeightSyncClient:
         return gather(calls, phase, timeout_s, lambda rank: self.ranks[rank].name)
 
     def _call_entries(self, method: str, *args) -> List[Any]:
-        """``method`` on the first rank of each TP/PP group (finalize and
-        abort act on the whole group at once)."""
+        """``method`` on the first rank of each TP/PP group (it acts on the whole group)."""
         statuses = self._statuses if self._statuses is not None else self.status()
         return self._call_all(method, *args, ranks=[r for r in self.ranks
                                                      if statuses[r.index].get("group_entry", True)])
@@ -235,14 +187,10 @@ class WeightSyncClient:
         return [out[r.index] for r in ranks]
 
     def register(self, named_tensors: Optional[Mapping[str, torch.Tensor]] = None) -> List[Dict[str, Any]]:
-        """Pin every rank's parameters with NIXL once, open the call lanes and
-        choose how updates travel (idempotent); returns each rank's
-        ``register_weight_for_rdt()``. ``named_tensors`` (a mapping, as for
-        :meth:`update`): the tensors later updates will send, checked now;
-        the ranks plan their pulls and map the kept memory that holds them
-        (or the slots they are gathered into are made), writing nothing, so
-        the first update costs what later ones do. Without it nothing is
-        reserved on the trainer's GPU, but a bucket route's two slots."""
+        """Pin every rank's parameters with NIXL, open the lanes and choose the route (idempotent); returns each
+        rank's ``register_weight_for_rdt()``. ``named_tensors`` (a mapping): the tensors later updates send, checked
+        and prepared on the ranks now, so the first update costs what later ones do. Raises
+        :class:`WeightSyncError` (a refused key, a misfit tensor) or :class:`WeightSyncRankError`."""
         if self.url:  # a key that cannot drive updates fails here, before anything moves
             http("GET", self.url, "/weight_sync/ranks", self.api_key, self.call_timeout_s)
         out = self._call_all("register_weight_for_rdt")
@@ -271,8 +219,7 @@ class WeightSyncClient:
         return out
 
     def _slot_bytes_for_any_update(self) -> Optional[int]:
-        """Slots no update of these ranks' parameters outgrows, in any order
-        (:func:`.buckets.slot_bytes_for`); None if a dtype is unknown here."""
+        """Slots no update of these parameters outgrows (:func:`.buckets.slot_bytes_for`); None: a dtype unknown."""
         layouts = {}
         for layout in self._layouts:
             sizes = []
@@ -313,9 +260,8 @@ class WeightSyncClient:
         return self._statuses
 
     def route(self) -> Route:
-        """Which ranks get lane calls, whether they read the trainer's own
-        tensors, and how slot refs are put for the others (cached until a
-        lane breaks or :meth:`register` runs; :mod:`.route`)."""
+        """Which ranks get lane calls, whether they read in place, how slot refs are put (:mod:`.route`); cached
+        until a lane breaks or :meth:`register` runs. Raises :class:`WeightSyncError` for an impossible setting."""
         if self._route is not None and all(self.lanes.link(r) for r in self._route.lanes):
             return self._route
         statuses = self._statuses if self._statuses is not None else self.status()
@@ -326,18 +272,15 @@ class WeightSyncClient:
         return self._route
 
     def staging_pool(self):
-        """The staging pool on the client's GPU: the kept memory ranks read in
-        place, the slots' too (None on the CPU)."""
+        """The staging pool on the client's GPU, which also holds the slots (None on the CPU)."""
         if self._pool is None and self.device_obj.type == "cuda":
             self._pool = staging.acquire(self.device_obj)
         return self._pool
 
     @contextlib.contextmanager
     def staging(self):
-        """``with client.staging(): tensors = build(...)``: new CUDA tensors of
-        this thread come from the staging pool, which the ranks read in place
-        and keep mapped across updates (a no-op on the CPU, or with
-        ``staging=False``: tensors are then gathered into the slots)."""
+        """``with client.staging(): tensors = build(...)``: this thread's new CUDA tensors come from the staging
+        pool, which ranks read in place and keep mapped across updates (no-op on the CPU or with ``staging=False``)."""
         pool = self.staging_pool() if self._staging else None
         with pool.allocating() if pool is not None else contextlib.nullcontext():
             yield
@@ -346,31 +289,22 @@ class WeightSyncClient:
                bucket_bytes: Optional[int] = None, strict: bool = False, flush_cache: bool = True,
                progress: Optional[Callable[[BucketStats, int, Optional[int]], None]] = None,
                layout: str = "rollout", hf_model_path: Optional[str] = None) -> UpdateStats:
-        """Write ``named_tensors`` into every rank's live parameters; finalize.
+        """Write ``named_tensors`` into every rank's live parameters and end the update; returns its stats.
 
         Args:
-            named_tensors: ``{name: tensor}``, or an iterator of ``(name,
-                tensor)`` made as it is consumed (a gather loop: at most two
-                buckets' worth alive at a time), in the rollout layout, sent to
-                every rank; or ``{rank: mapping}`` (TP > 1).
+            named_tensors: ``{name: tensor}`` for every rank, ``{rank: mapping}`` (TP > 1), or an iterator of
+                ``(name, tensor)`` made as it is consumed (at most two buckets alive); in the rollout layout.
             version: the new ``weight_version``.
             bucket_bytes: override the client's ``bucket_bytes`` for this update.
             strict: require every parameter of the rollout model to be sent.
-            flush_cache: flush the prefix cache when finalizing (its KV came
-                from the old weights; keep True unless you know better).
-            progress: ``progress(step_stats, done, total)`` after each step
-                (``total`` None for an iterator).
-            layout: ``"rollout"`` or ``"hf"``: ``named_tensors`` is one
-                unsharded state dict under the Hugging Face checkpoint's
-                names; sglang's own loaders fuse and shard it per rank.
-            hf_model_path: for ``layout="hf"``, the rollout model's checkpoint
-                directory on this host (default: the engine's ``--model-path``).
+            flush_cache: flush the prefix cache at the end (its KV came from the old weights).
+            progress: ``progress(step_stats, done, total)`` after each step (``total`` None for an iterator).
+            layout: ``"rollout"``, or ``"hf"``: one unsharded state dict under the checkpoint's names.
+            hf_model_path: for ``layout="hf"``, the checkpoint directory here (default: the engine's ``--model-path``).
 
         Raises:
-            WeightSyncError: the tensors do not fit the rollout model (a
-                mapping: nothing was sent, serving never paused; an iterator:
-                found when the group comes, the session is aborted); or the
-                session or sender failed.
+            WeightSyncError: the tensors do not fit (a mapping: nothing sent; an iterator: the session is aborted),
+                the session or the sender failed, or another update of this client is running.
             WeightSyncRankError: a rank failed; the session was aborted.
         """
         if not self._busy.acquire(blocking=False):
@@ -405,11 +339,8 @@ class WeightSyncClient:
             self.stuck.remove(flight)
 
     def register_lora_adapter(self, lora_name: str, config_dict: Dict[str, Any]) -> Dict[str, Any]:
-        """Register LoRA adapter ``lora_name`` (``config_dict``: its PEFT
-        adapter_config) on the engine: ``POST /register_lora_adapter`` with
-        ``url=`` (the name is then served), else on every rank group. Returns
-        what to send: ``expected_tensors`` (``"{lora_name}:{PEFT key}"`` ->
-        shape) and ``dtype``; then ``update({name: tensor, ...})``."""
+        """Register LoRA adapter ``lora_name`` (``config_dict``: its PEFT adapter_config) on the engine. Returns what
+        :meth:`update` must send: ``expected_tensors`` (``"{lora_name}:{PEFT key}"`` -> shape) and ``dtype``."""
         if self.url:
             return self.session.post("/register_lora_adapter", {"lora_name": lora_name,
                                                                  "config_dict": config_dict})
@@ -419,8 +350,7 @@ class WeightSyncClient:
         return self._call_entries("register_lora_adapter", lora_name, config_dict, lora_id)[0]
 
     def hf_resharder(self, model_path: Optional[str] = None):
-        """The :class:`~.hf_reshard.HFResharder` of this engine, built once
-        from its HTTP server (needs ``url=``)."""
+        """This engine's :class:`~.hf_reshard.HFResharder`, built once (needs ``url=``)."""
         if self._hf_resharder is None:
             from sglang.srt.ray.rdt.trainer.hf_reshard import HFResharder
 
@@ -437,11 +367,8 @@ class WeightSyncClient:
         return self._pool.held()[0] if self._pool is not None else 0
 
     def release(self) -> None:
-        """Give the trainer's GPU memory back: make the ranks let go of this
-        process's memory, free the bucket slots and the staging pool (a
-        colocated trainer calls it before its training step; the next update
-        makes what it needs again). Tensors made in ``staging()`` must be
-        dropped first: memory they still use stays allocated."""
+        """Give the trainer's GPU memory back: the ranks drop their mappings, the slots and the staging pool are
+        freed (the next update makes them again). Drop tensors made in ``staging()`` first."""
         try:
             if self._pool is not None or self.device_obj.type == "cuda":
                 release_rank_mappings(self.ranks, same_node.token(), self.call_timeout_s,

@@ -1,10 +1,4 @@
-"""Finding a running engine's ranks from any Ray job of its cluster, and talking to its HTTP server.
-
-With only the engine's URL (and its key): ``GET /weight_sync/ranks`` names
-every rank's actor and the Ray namespace (:func:`find_ranks_by_url`); with its
-port, namespace and layout: the actor names are rebuilt (:func:`find_ranks`).
-Every HTTP call carries the client's key as a Bearer token (:func:`http`).
-"""
+"""Finding a running engine's ranks (named by its URL, or by rebuilt actor names) and calling its HTTP server."""
 
 from __future__ import annotations
 
@@ -20,7 +14,6 @@ logger = logging.getLogger(__name__)
 
 BundleIndex = Union[int, Callable[[int, int, int], int]]
 _ANY_ADDRESS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", "")
-# The engine's key when the client is given none (its --admin-api-key when it has one, else --api-key).
 API_KEY_ENV = "SGLANG_RDT_API_KEY"
 KEY_HELP = ("weight updates need the engine's --admin-api-key when it has one, else its --api-key: pass "
             f"api_key= to the client (or set {API_KEY_ENV})")
@@ -54,8 +47,7 @@ def http(method: str, url: str, path: str, api_key: Optional[str], timeout_s: fl
 
 
 def find_ranks_by_url(url: str, api_key: Optional[str], timeout_s: float) -> Tuple[List[Any], List[str]]:
-    """The SchedulerActor handles and names of the engine at ``url``, in
-    global rank order, from its ``GET /weight_sync/ranks``."""
+    """The engine's SchedulerActor handles and names, in global rank order, from ``GET /weight_sync/ranks``."""
     import ray
 
     ranks = http("GET", url, "/weight_sync/ranks", api_key, timeout_s)["ranks"]
@@ -86,8 +78,7 @@ class RankInfo:
 
 
 def ensure_ray(address: Optional[str]) -> None:
-    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``) unless this
-    process is connected already."""
+    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``) unless connected already."""
     import ray
 
     if ray.is_initialized():
@@ -103,8 +94,7 @@ def ensure_ray(address: Optional[str]) -> None:
 def find_ranks(port: int, namespace: str, *, node_ip: Optional[str] = None, host: str = "127.0.0.1",
                dp_size: int = 1, tp_size: int = 1, pp_size: int = 1,
                bundle_index: BundleIndex = 0) -> Tuple[List[Any], List[str]]:
-    """The SchedulerActor handles and names of an engine, in global rank order
-    (dp, then pp, then tp), by their rebuilt actor names."""
+    """The engine's SchedulerActor handles and names, in global rank order, by their rebuilt actor names."""
     import ray
 
     if node_ip is None:

@@ -1,26 +1,8 @@
 """Turn a Hugging Face state dict into each engine rank's parameters, with sglang's own loaders.
 
-A trainer holds the model unsharded under its checkpoint names (``q_proj``,
-``gate_proj``, one tensor per expert); an sglang rank holds fused parameters
-(``qkv_proj``, ``experts.w13_weight``) cut to its TP/EP/PP slot.
-:class:`HFResharder` builds, for every distinct rank layout of the engine
-(``GET /parallelism_config?rank=R``), a dummy-loaded replica of the rollout
-model on this host and loads the HF tensors through the replica's own
-``model.load_weights``: its parameters are then exactly what the rank holds.
-Ranks of equal layouts (DP replicas) get the same mapping object, so the
-client sends their tensors once. Nothing model-specific lives here.
-
-Every HF name must be a tensor of the checkpoint that maps to a parameter,
-with the checkpoint's shape and its or the engine's dtype; a fused parameter
-is sent only whole. Anything else is refused, naming it, before a byte moves::
-
-    client.update(hf_model.state_dict(), version="step-3", layout="hf")
-    # or: HFResharder.from_engine_url(url, num_ranks=2).reshard(state_dict) -> {rank: {name: tensor}}
-
-The per-rank tensors are the replicas' parameters, valid until the next
-:meth:`HFResharder.reshard`; a replica costs one rank's worth of memory per
-distinct layout. The replica's ``post_load_weights`` is not run (the engine
-runs it when the update ends).
+Per distinct rank layout, a dummy-loaded replica of the rollout model loads the HF tensors with its own
+``load_weights``; its parameters (valid until the next :meth:`HFResharder.reshard`) are what the rank holds.
+Nothing model-specific lives here; a state dict is checked whole before a byte moves.
 """
 
 from __future__ import annotations
@@ -42,8 +24,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["HFResharder", "HFTensorSpec", "checkpoint_layout", "layout_key"]
 
-# ServerArgs fields of the engine that decide a rank's parameter layout (read
-# from its /server_info); everything else keeps the replica's defaults.
+# ServerArgs fields (from /server_info) that decide a rank's parameter layout; the rest keep their defaults.
 LAYOUT_SERVER_ARGS = ("dtype", "quantization", "trust_remote_code", "revision", "tp_size", "pp_size",
                       "ep_size", "json_model_override_args")
 
@@ -73,9 +54,7 @@ def _safetensors_header(path: Path) -> Dict[str, Any]:
 
 
 def checkpoint_layout(model_path: Union[str, Path]) -> Dict[str, HFTensorSpec]:
-    """``{hf_name: HFTensorSpec}`` of the checkpoint at ``model_path``: from
-    its safetensors headers, or else from the transformers model of its
-    ``config.json`` built on the meta device."""
+    """``{hf_name: HFTensorSpec}`` of a checkpoint, from its safetensors headers or else its meta-device model."""
     root = Path(model_path)
     files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
     if files:
@@ -163,15 +142,10 @@ class HFResharder:
     """Per-rank sglang tensors from one HF state dict, for one engine's layout.
 
     Args:
-        model_path: a checkpoint directory of the rollout model on this host
-            (its ``config.json``, and its ``*.safetensors`` headers for the
-            expected names/shapes).
-        server_args: the engine's ``ServerArgs`` (or its ``/server_info`` dict;
-            :data:`LAYOUT_SERVER_ARGS` are read from it).
-        rank_configs: each engine rank's ``RankParallelismConfig`` (or its
-            ``/parallelism_config?rank=R`` JSON), in global rank order.
-        device: where the replicas live (``"cpu"`` by default: no accelerator
-            is needed; ``"cuda"`` is faster for large models).
+        model_path: the rollout model's checkpoint directory on this host.
+        server_args: the engine's ``ServerArgs`` or ``/server_info`` dict (only :data:`LAYOUT_SERVER_ARGS` are read).
+        rank_configs: each rank's ``RankParallelismConfig`` (or its JSON), in global rank order.
+        device: where the replicas live (default ``"cpu"``; ``"cuda"`` is faster for large models).
     """
 
     def __init__(self, model_path: Union[str, Path], server_args: Union[Mapping[str, Any], Any],
@@ -192,10 +166,7 @@ class HFResharder:
     @classmethod
     def from_engine_url(cls, url: str, num_ranks: int, *, model_path: Optional[Union[str, Path]] = None,
                         timeout_s: float = 60.0, api_key: Optional[str] = None, **kwargs) -> "HFResharder":
-        """Read the engine's ``/server_info`` and each rank's
-        ``/parallelism_config?rank=R`` from its HTTP server (``api_key``: as a
-        Bearer token). ``model_path`` defaults to the engine's
-        ``--model-path`` (valid when the trainer sees the same path)."""
+        """Build from the engine's ``/server_info`` and ``/parallelism_config`` (default: its ``--model-path``)."""
         from sglang.srt.ray.rdt.trainer.discovery import http
 
         url = url.rstrip("/")
@@ -232,9 +203,8 @@ class HFResharder:
         return group_ranks(self.keys)
 
     def check(self, hf_state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> None:
-        """Refuse a state dict that does not fit the checkpoint, naming the
-        tensor: names, shapes, dtypes, every part of each fused parameter
-        given; with ``strict``, every tensor of the checkpoint."""
+        """Raise :class:`WeightSyncError`, naming the tensor, unless the state dict fits the checkpoint (every
+        part of a fused parameter given; with ``strict``, every tensor)."""
         from sglang.srt.model_loader.parameter_mapper import ParameterMappingError
 
         if not hf_state_dict:
@@ -275,9 +245,7 @@ class HFResharder:
 
     def reshard(self, hf_state_dict: Mapping[str, torch.Tensor], *,
                 strict: bool = False) -> Dict[int, Dict[str, torch.Tensor]]:
-        """``{rank: {sglang_name: tensor}}`` for every rank; ranks of one layout
-        share one mapping object. Raises ``WeightSyncError`` (nothing loaded
-        anywhere) when :meth:`check` refuses the state dict."""
+        """``{rank: {sglang_name: tensor}}``, one mapping per layout; raises as :meth:`check` (nothing loaded)."""
         hf_state_dict = dict(hf_state_dict)
         self.check(hf_state_dict, strict=strict)
         out: Dict[int, Dict[str, torch.Tensor]] = {}

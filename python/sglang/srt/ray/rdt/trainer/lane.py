@@ -1,12 +1,5 @@
-"""The trainer's side of the ranks' same-node call lanes.
-
-A rank on the trainer's node serves a lane (``engine/local_lane.py``): a Unix
-socket over which this process sends where its tensors are and the rank
-pulls them, without ``ray.put`` or a Ray actor call. :class:`Lanes` opens one
-to each rank on this node and remembers which layouts each lane was told. A
-lane call is waited for like an actor call (:func:`~sglang.srt.ray.rdt.ranks.gather`),
-bounded by the caller's timeout, and fails at once when the rank's process
-is gone or the connection breaks.
+"""The trainer's side of the same-node call lanes. A lane call is bounded by the caller's timeout and fails at
+once when the rank's process is gone or the connection breaks: it never hangs.
 """
 
 from __future__ import annotations
@@ -29,8 +22,7 @@ logger = logging.getLogger(__name__)
 
 # How often a waiting call looks whether the rank's process still exists.
 LIVENESS_CHECK_S = 0.25
-# A fence is looked at without a pause this long (a copy takes milliseconds),
-# then every FENCE_NAP_S.
+# A fence is polled without a pause this long (a copy takes milliseconds), then every FENCE_NAP_S.
 FENCE_SPIN_S = 0.05
 FENCE_NAP_S = 0.0005
 
@@ -68,8 +60,7 @@ class LaneCall:
         return self._done
 
     def wait(self, timeout_s: float) -> None:
-        """Wait until the rank answered or the time is up; never raises. A
-        call still unanswered when the time is up stays unfinished."""
+        """Wait until the rank answered or the time is up; never raises."""
         try:
             self._receive(timeout_s)
         except TimeoutError:
@@ -79,9 +70,8 @@ class LaneCall:
 
 
 class RankLink:
-    """The trainer's connection to one rank's lane. ``fence``: the rank's
-    inter-process CUDA event, opened here, that a fenced pull's copy records
-    (None: its pulls answer once their copy is done)."""
+    """The trainer's connection to one rank's lane. ``fence``: the rank's CUDA event that a fenced pull's copy
+    records (None: pulls answer once copied)."""
 
     def __init__(self, address: str, secret: bytes, pid: int, sender: str, fence=None):
         self.address, self._secret, self.pid = address, secret, int(pid)
@@ -148,8 +138,7 @@ class RankLink:
         return self._early.pop(req_id)
 
     def wait_fence(self, deadline: float) -> float:
-        """Wait until the rank's last fenced copy is done (its answer came
-        first); returns the seconds waited (see :func:`wait_for_event`)."""
+        """Wait until the rank's last fenced copy is done; returns the seconds waited."""
         try:
             return wait_for_event(self.fence, self.pid, deadline)
         except RankGone:
@@ -162,9 +151,8 @@ class RankLink:
 
 
 def wait_for_event(event, pid: int, deadline: float) -> float:
-    """Wait until ``event`` (a rank's, opened here) has completed; returns
-    the seconds waited. :class:`RankGone` when process ``pid`` exits first,
-    ``TimeoutError`` past ``deadline`` (``time.monotonic()``): never hangs."""
+    """Wait until ``event`` completed; returns the seconds waited. :class:`RankGone` when process ``pid`` exits
+    first, ``TimeoutError`` past ``deadline`` (monotonic)."""
     t0 = time.monotonic()
     look = t0 + LIVENESS_CHECK_S
     while not event.query():
@@ -194,11 +182,8 @@ class Lanes:
 
     def open(self, ranks, statuses: Sequence[Dict[str, Any]], call_timeout_s: float,
              device=None, allocating=None) -> None:
-        """Open a lane to every rank on this process's node that can read this
-        process's memory on ``device`` (checked by reading a few bytes, made
-        in ``allocating()``: kept memory on a GPU, once). The others (an
-        engine without lanes, a rank the kernel or the driver refuses) are
-        reached through Ray, which falls back to NIXL."""
+        """Open a lane to every rank on this node that can read this process's memory on ``device`` (probed
+        once with a few bytes made in ``allocating()``); the others are reached through Ray."""
         if self.opened or not self.enabled:
             return
         self.opened = True
@@ -237,14 +222,9 @@ class Lanes:
 
     def pull(self, rank: int, group, meta, timeout: Optional[float], prepare: bool = False,
              fence: bool = False) -> LaneCall:
-        """Send rank ``rank`` a pull of ``meta`` (a same-node description of
-        ``group``'s tensors); the group's layout (names, shapes, dtypes) goes
-        along the first time this lane sees it, later pulls name its id; so
-        does a description of kept memory (the staging pool) the exporter
-        remembers (the same tensors' places, update after update).
-        ``fence``: the rank may answer once its copy is queued (where the lane
-        has the rank's event): the caller then :meth:`wait_fence` before it
-        lets go of the tensors."""
+        """Send ``rank`` a pull of ``meta`` (``group``'s same-node description). The layout and a kept description
+        go along only the first time this lane sees them; later pulls name their ids. ``fence``: the rank may
+        answer once its copy is queued; the caller must :meth:`wait_fence` before it lets go of the tensors."""
         link = self.links[rank]
         first = group.layout not in link.defined
         kept = meta.ipc.kept_id if meta.ipc is not None else 0
@@ -280,9 +260,8 @@ class Lanes:
 
 
 def _open_fence(info: Optional[Dict[str, Any]], device):
-    """The rank's fence event opened in this process (see :class:`RankLink`),
-    or None: off CUDA, the rank on another GPU than ``device`` (the trainer's;
-    only a rank on the trainer's own GPU fences its reads), or the driver refused."""
+    """The rank's fence event opened here, or None: off CUDA, a rank on another GPU than ``device`` (only a
+    rank on the trainer's GPU fences its reads), or the driver refused."""
     if not info or device.type != "cuda":
         return None
     try:

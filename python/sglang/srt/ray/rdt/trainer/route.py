@@ -1,11 +1,4 @@
-"""How an update reaches each rank: the decision over the ranks' statuses.
-
-Ranks with a same-node call lane get lane calls; they read the trainer's own
-tensors in place (*direct*) when every rank has a lane and sees the trainer's
-GPU, else copies in the client's bucket slots. Ranks without a lane pull refs
-of the slots, put with ``SGLANG_IPC`` when every one of them accepts it, else
-with NIXL.
-"""
+"""How an update reaches each rank: :func:`decide_route` over the ranks' statuses (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -31,9 +24,8 @@ class Route:
 
 def decide_route(ranks: Sequence[Any], statuses: List[Dict[str, Any]], lanes: Set[int],
                  transport: str, export: str, device) -> Route:
-    """The route for ``ranks`` (``RankInfo``) with ``statuses`` (their
-    ``get_weight_sync_status()``), of which ``lanes`` have a working lane;
-    ``transport``, ``export``: the client's settings; ``device``: its device."""
+    """The route for ``ranks`` given their statuses, those with a working lane and the client's settings;
+    :class:`WeightSyncError` when ``transport`` or ``export`` cannot be honoured."""
     others = [r for r in ranks if r.index not in lanes]
     ref_transport = None
     if others:

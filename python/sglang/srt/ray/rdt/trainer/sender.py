@@ -1,21 +1,8 @@
-"""The trainer's bucket slots: kept buffers the ranks read gathered copies from.
+"""The trainer's two bucket slots: allocated (in the staging pool on a GPU) and NIXL-registered once.
 
-Ranks read a trainer's GPU memory in place only where it is kept for them
-(the staging pool); every other tensor of an update, and every tensor for a
-rank that cannot read this process's memory (another node, a ``nixl``
-transport), is gathered into one of two slots and read from there while the
-next group is gathered into the other. :class:`BucketSender` owns the slots
-in the trainer's process: allocated once (in the staging pool on a GPU),
-registered with NIXL once, refilled by every update. A fill is one batched
-copy: one kernel over the contiguous tensors of the slot's GPU (from their
-addresses, no tensor object made per piece), PyTorch's copy for the others
-(strided views, other devices), then the slot is described to lane ranks by
-addresses and put as a ref (of views) for the others.
-
-No ``ray.put`` snapshots a slot: ranks read its bytes when they pull. So
-``fill`` marks a slot in flight under a token and refuses to overwrite a slot
-in flight (:class:`BucketInFlightError`); ``release`` frees it once every
-rank's pull of it returned.
+No ``ray.put`` snapshots a slot: ranks read its bytes when they pull. So ``fill`` refuses a slot in flight
+(:class:`BucketInFlightError`) until ``release``, once every rank's pull of it returned. Slots are freed only
+after the ranks dropped their mappings of them (:class:`SenderLink`).
 """
 
 from __future__ import annotations
@@ -48,8 +35,7 @@ class BucketInFlightError(BucketSenderError):
 
 
 class BucketSender:
-    """Double-buffered, NIXL-registered bucket slots in one process on
-    ``device``; ``register=False``: without NIXL."""
+    """Double-buffered, NIXL-registered bucket slots on ``device`` (``register=False``: without NIXL)."""
 
     def __init__(self, device: str = "cpu", *, register: bool = True):
         self._device = torch.device(device)
@@ -70,8 +56,7 @@ class BucketSender:
             raise BucketSenderError("the bucket sender is closed")
 
     def prepare(self, slot_bytes: int) -> Dict[str, Any]:
-        """Slots of at least ``slot_bytes``; re-allocates only to grow (the
-        caller made the ranks release their mappings of the old slots first)."""
+        """Slots of at least ``slot_bytes``; re-allocates only to grow (the ranks released the old ones)."""
         self._check_open()
         if slot_bytes > self.slot_bytes:
             if any(self._in_flight):
@@ -111,11 +96,8 @@ class BucketSender:
     @torch.no_grad()
     def fill(self, slot: int, token: str, offsets: Sequence[Sequence[int]], groups,
              ref_transport: Optional[str], local: bool) -> List[Tuple[Any, Any]]:
-        """Gather each group's tensors (``groups``: ``buckets.Group``) into
-        ``slot`` at ``offsets`` (bytes), mark the slot in flight under
-        ``token``. Returns per group ``(ref, description)``: a ref put with
-        ``ref_transport`` (if given) and a same-node description of the slot's
-        bytes for the lanes (if ``local``)."""
+        """Gather ``groups`` into ``slot`` at byte ``offsets`` and mark it in flight under ``token``. Returns per
+        group ``(ref put with ref_transport or None, same-node description if local or None)``."""
         self._check_open()
         if self._in_flight[slot] is not None:
             raise BucketInFlightError(
@@ -146,9 +128,8 @@ class BucketSender:
 
     @staticmethod
     def _gather(buf: torch.Tensor, dst: np.ndarray, group) -> None:
-        """Copy ``group``'s tensors to the slot addresses ``dst``, bit for bit:
-        one kernel for the contiguous ones on the slot's GPU, a copy into a
-        view for each other one (strided, another device, host memory)."""
+        """Copy ``group``'s tensors to ``dst`` bit for bit: one kernel for the contiguous ones on the slot's GPU,
+        a copy into a view for each other one."""
         sc = group.scan
         here = sc.contiguous & (sc.device == (buf.device.index if buf.is_cuda else -1))
         if buf.is_cuda and here.any():
@@ -196,8 +177,7 @@ class BucketSender:
         return list(self._in_flight)
 
     def close(self) -> int:
-        """Free the slots (in flight or not; the caller made the ranks release
-        their mappings first); returns how many."""
+        """Free the slots, in flight or not (the ranks released their mappings); returns how many."""
         n = self._free_slots()
         self._closed = True
         if self._pool is not None:
@@ -207,9 +187,7 @@ class BucketSender:
 
 
 class SenderLink:
-    """The client's bucket sender (made on first use, grown when an update
-    needs bigger slots, closed with the client): before slots are freed,
-    every rank is asked to let go of its mappings of them."""
+    """The client's bucket sender, made on first use; before slots are freed, the ranks drop their mappings."""
 
     def __init__(self, device: str, call_timeout_s: float):
         self.device = device
@@ -250,8 +228,7 @@ class SenderLink:
 
 
 def release_rank_mappings(ranks, token: str, timeout_s: float, what: str) -> None:
-    """Every rank closes its kept CUDA IPC mappings of sender ``token``'s
-    memory before it is freed (best effort per rank: a failure is logged)."""
+    """Every rank closes its CUDA IPC mappings of sender ``token``'s memory (best effort: failures are logged)."""
     import ray
 
     calls = [(r, r.actor.release_weight_sync_mappings.remote(token)) for r in ranks]

@@ -1,10 +1,5 @@
-"""The engine's update session, as the trainer drives it: three back-ends.
-
-:class:`HttpSession` (``POST /weight_sync/{begin,end,abort}``),
-:class:`EngineSession` (an in-process ``RayEngine``) and
-:class:`CallerPausedSession` (the caller paused generation itself; the end is
-``finalize_weight_update`` on the first rank of every TP/PP group, which ends
-it on the whole group, the abort ``abort_weight_update`` likewise).
+"""The engine's update session as the trainer drives it: over HTTP, through an in-process ``RayEngine``, or
+(:class:`CallerPausedSession`, the caller paused generation) by finalizing or aborting each TP/PP group.
 """
 
 from __future__ import annotations

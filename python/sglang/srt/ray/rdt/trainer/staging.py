@@ -1,14 +1,5 @@
-"""The trainer's staging pool: CUDA memory kept for the ranks, mapped once.
-
-Ranks read a trainer's GPU memory in place only where it is kept for them
-(``transport/cuda_ipc.py``). The staging pool is a private pool of PyTorch's
-caching allocator (``torch.cuda.MemPool``), whose segments stay allocated
-while the pool lives (PyTorch frees a live pool's memory to nobody), so ranks
-map them once and keep the mappings across updates, and tensors made anew
-every step inside ``client.staging()`` land in the same segments again. The
-client's two bucket slots live here too. What the pool holds is reported
-(:meth:`StagingPool.held`, ``UpdateStats.pool_bytes``); :func:`release`
-gives all of it back once the ranks let go of it (``client.release()``).
+"""The trainer's staging pool: a ``torch.cuda.MemPool`` whose segments live as long as it does, so ranks map
+them once, and tensors made anew each step in ``client.staging()`` land in the same segments again.
 """
 
 from __future__ import annotations
@@ -59,8 +50,7 @@ class StagingPool:
 
 
 def acquire(device) -> StagingPool:
-    """This process's pool on CUDA ``device`` (made on first use); pair with
-    :func:`release`."""
+    """This process's pool on CUDA ``device`` (made on first use); pair with :func:`release`."""
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     with _lock:
@@ -73,9 +63,8 @@ def acquire(device) -> StagingPool:
 
 
 def release(pool: Optional[StagingPool]) -> bool:
-    """Drop one user of ``pool``; the last one frees its memory (call it only
-    once every rank released its mappings of this process). Returns whether
-    the pool was freed."""
+    """Drop one user of ``pool``; the last one frees it (only once the ranks released their mappings). Returns
+    whether it was freed."""
     if pool is None:
         return False
     with _lock:

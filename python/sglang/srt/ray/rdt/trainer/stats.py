@@ -20,10 +20,7 @@ class BucketStats:
     pull_seconds: float  # the slowest rank's own pull time (plan + transfer)
     gbps: float  # bytes / pull_seconds
     rank_seconds: List[float] = field(default_factory=list)
-    # When (time.perf_counter(): one clock for every process of a Linux host)
-    # the pulls were sent and the last answer came, and the slowest rank's
-    # pull_start, pull_end, copy_seconds, plan_seconds (and ended: a pull that ended the
-    # update, when that end was done): where a step's time went.
+    # perf_counter times (one clock per host); rank_timing: the slowest rank's pull_start/end, copy/plan_seconds, ended.
     sent_at: float = 0.0
     received_at: float = 0.0
     rank_timing: Dict[str, float] = field(default_factory=dict)
@@ -33,17 +30,11 @@ class BucketStats:
 class UpdateStats:
     """What :meth:`WeightSyncClient.update` did.
 
-    ``bytes`` is the payload (once per rank group); ``bytes_moved`` counts
-    every rank's copy. ``seconds`` is the whole call; ``transfer_seconds``
-    from the first group's fill to the last pull's return; ``gbps`` =
-    ``bytes`` / ``transfer_seconds``. ``path``: ``"direct"`` (the ranks read
-    the trainer's own tensors: in the staging pool, or host memory),
-    ``"buckets"`` (gathered into the client's slots) or ``"direct+buckets"``
-    (a stream, some groups each way); ``gathered_bytes``: what was gathered;
-    ``held_bytes``: the most bytes of the trainer's tensors the client held
-    at once (read in place: the groups in flight; a stream's stay within two
-    buckets); ``pool_bytes``: what the staging pool holds after the update
-    (its tensors and the slots; ``client.release()`` gives it back).
+    ``bytes``: the payload, once per rank group; ``bytes_moved``: every rank's copy. ``seconds``: the whole call;
+    ``transfer_seconds``: first fill to last pull's return; ``gbps`` = ``bytes / transfer_seconds``. ``path``:
+    ``"direct"`` (ranks read the trainer's tensors), ``"buckets"`` (gathered into the slots) or
+    ``"direct+buckets"``. ``gathered_bytes``: what was gathered; ``held_bytes``: the most bytes read in place in
+    flight at once; ``pool_bytes``: what the staging pool holds afterwards (``client.release()`` frees it).
     """
 
     version: Optional[str]

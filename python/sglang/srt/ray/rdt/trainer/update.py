@@ -1,20 +1,7 @@
-"""One :meth:`WeightSyncClient.update`: plan, transfer, finish — each once.
+"""One :meth:`WeightSyncClient.update`: plan, transfer, finish (docs/architecture.md, "The trainer path").
 
-**Plan.** Split what the trainer gave into rank groups and cut each into
-groups (``buckets.py``, sizes by :func:`group_bytes_for`). A mapping is
-checked whole before anything moves; an iterator's groups as they come.
-
-**Transfer.** Step ``k`` (group ``k`` of every rank group) is read by the
-ranks in place when it lies in kept memory (the client's staging pool) and
-every rank reads this process's memory over a call lane (the client's route
-is *direct*); otherwise it is gathered into one of the client's two slots
-(one batched copy) that ranks read over their lane or through a Ray ref. A
-slot is refilled only after every rank's pull of it returned; an iterator
-read in place has at most two buckets' worth of its tensors alive.
-The engine's update session opens right before the first step goes out.
-
-**Finish.** End the session with the new ``weight_version``. On any failure:
-wait (bounded) for pulls still reading, abort the session, raise.
+A slot is refilled only after every rank's pull of it returned; an iterator read in place has at most two buckets'
+worth alive. On any failure the pulls still reading are waited for (bounded) before the session is aborted.
 """
 
 from __future__ import annotations
@@ -88,7 +75,6 @@ class Update:
     total: Optional[int] = None  # steps of a mapping (an iterator's: unknown)
     plan_seconds: float = 0.0  # a mapping: split, cut, looked at and checked whole
 
-    # -- plan ------------------------------------------------------------------ #
     def run(self, named) -> UpdateStats:
         t0 = time.perf_counter()
         c = self.client
@@ -137,7 +123,6 @@ class Update:
     def _readable(self, tensors) -> bool:
         return readable_in_place(tensors, self.client.device_obj)
 
-    # -- transfer --------------------------------------------------------------- #
     def _transfer(self, steps) -> None:
         while True:
             while self.flights and not self._room():
@@ -150,11 +135,8 @@ class Update:
             self._land(self.flights.popleft())
 
     def _room(self) -> bool:
-        """Whether the next step may be made and sent before another lands: a
-        mapping read in place always (the caller holds it whole); gathered,
-        while one of the two slots is free; an iterator, while what it has in
-        flight in place and the next group stay within two buckets (a step
-        gathered waits for a slot in :meth:`_fill`)."""
+        """Whether the next step may be sent before another lands: in place, always; gathered, while a slot is
+        free; an iterator, while its bytes in flight and the next group stay within two buckets."""
         if self.in_place:
             return True
         if not self.stream:
@@ -169,8 +151,7 @@ class Update:
         return step
 
     def _send(self, step) -> None:
-        """Make step ``step`` readable and ask its ranks to pull it (in
-        flight from here on: a failure settles whatever was sent)."""
+        """Make ``step`` readable and ask its ranks to pull it (in flight from here on)."""
         c = self.client
         index = len(self.steps_done) + len(self.flights)
         if self.t_first is None:
@@ -190,9 +171,7 @@ class Update:
             self.begin_seconds = time.perf_counter() - t1
         timeout = c.pull_timeout_s
         flight.sent_at = time.perf_counter()
-        # Kept memory read over a lane: the ranks answer once their copy is
-        # queued and _land waits on their events (the ranks' own work and the
-        # answers overlap the copy).
+        # Over a lane a rank may answer once its copy is queued (fenced); _land waits on its event.
         fence = True
         for (rg, group), (ref, meta) in zip(step, flight.sources):
             for r in self.rank_groups[rg]:
@@ -213,8 +192,7 @@ class Update:
         """Kept memory: describe the trainer's own tensors where they are."""
         device = self.client.device_obj
         if device.type == "cuda" and (self.stream or index == 0):
-            # queued work on them is done before a rank reads (a mapping: all
-            # made before the call; an iterator: made as it is consumed)
+            # queued work on the tensors must be done before a rank reads them
             torch.cuda.synchronize(device)
         sources = [(None, same_node.export(g.tensors, with_specs=False, scan=g.scan)) for _, g in step]
         held = sum(g.nbytes for _, g in step)
@@ -292,7 +270,6 @@ class Update:
             except Exception as e:  # a display bug must not abort an update
                 logger.warning("[RDT] progress callback failed: %s", e)
 
-    # -- finish ----------------------------------------------------------------- #
     def _finish(self) -> None:
         c = self.client
         if self.stream and self.strict:
@@ -304,12 +281,8 @@ class Update:
         self.end_seconds = time.perf_counter() - t0
 
     def _settle(self) -> Optional[str]:
-        """After a failure: wait for every pull still reading and every copy
-        a rank answered before it finished (each bounded by the pulls' own
-        limit), so the caller may free its tensors once ``update()`` raised;
-        free the slots whose pulls are over (a slot still read stays reserved
-        until :meth:`WeightSyncClient` reclaims it). Returns what may still
-        read the trainer's memory, if anything."""
+        """After a failure: wait (bounded) for pulls and fenced copies still reading and free the slots no pull
+        reads (the others go to ``client.stuck``). Returns what may still read the trainer's memory, if anything."""
         c = self.client
         deadline = time.monotonic() + self.wait_s  # one bound for every flight
         lanes, still = set(), []
@@ -372,10 +345,7 @@ class Update:
 
 
 def readable_in_place(group: buckets.Group, device) -> bool:
-    """Whether ranks that read this process's memory may read ``group``'s
-    tensors where they are: contiguous, on the client's
-    ``device``, and on a GPU in kept memory (the staging pool); host memory
-    is read where it is."""
+    """Whether ranks may read ``group`` where it is: contiguous, on ``device``, and on a GPU in kept memory."""
     scan = group.scan
     index = device.index if device.type == "cuda" else -1
     if not (scan.contiguous.all() and (scan.device == index).all()):
@@ -384,11 +354,8 @@ def readable_in_place(group: buckets.Group, device) -> bool:
 
 
 def group_bytes_for(read_in_place: bool, bucket_bytes: int, stream: bool) -> int:
-    """How much of an update goes in one group: read in place, an iterator's
-    half a bucket (up to four groups within the bound of two buckets: the
-    next ones are made while the ranks copy) and a mapping all of it (the
-    caller holds every tensor anyway: one pull per rank, one copy, no round
-    trip between groups); gathered, a slot's worth (``bucket_bytes``)."""
+    """Group size: gathered, a slot (``bucket_bytes``); in place, all of a mapping (one pull per rank) or half a
+    bucket of an iterator (the next groups are made while the ranks copy)."""
     if not read_in_place:
         return bucket_bytes
     return max(bucket_bytes // STREAM_GROUPS_PER_BUCKET, 1) if stream else buckets.WHOLE

@@ -1,13 +1,7 @@
-"""Cross-memory attach: copy CPU tensors straight out of another process on this host.
+"""Cross-memory attach: host-memory tensors copied out of another process on this host (``process_vm_readv``).
 
-``process_vm_readv(2)`` copies from another process's address space into ours
-in one kernel pass. The sender describes its tensors by their addresses
-(:func:`export_cma`); a reader on the same host copies them into its targets
-with a few threads (:class:`CmaPath`). The kernel allows it when the reader
-may ptrace the sender (same user and ``kernel.yama.ptrace_scope`` 0, or
-``CAP_SYS_PTRACE``); a one-byte probe tells before any byte moves, so a
-refused read falls back to NIXL. Every read checks the sender's process start
-time before and after copying (a pid can be reused).
+Needs ptrace rights over the sender; a one-byte probe finds a refusal before any byte moves (NIXL then serves the
+read). Every read checks the sender's start time before and after copying (a pid can be reused).
 """
 
 from __future__ import annotations
@@ -77,8 +71,7 @@ def process_start_time(pid: int) -> Optional[int]:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (one we may not signal counts as alive;
-    one that exited and waits to be reaped, a zombie, does not)."""
+    """Whether process ``pid`` runs (one we may not signal counts as alive; a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -102,8 +95,7 @@ def describe_errno(err: int) -> str:
 
 
 def split_copies(copies: Sequence[Copy], parts: int, min_bytes: int = 1 << 20) -> List[List[Copy]]:
-    """``copies`` as ``parts`` lists of about the same byte count, order kept;
-    a copy is cut where a part ends (never into pieces under ``min_bytes``)."""
+    """``copies`` as ``parts`` lists of about the same byte count, order kept (no piece under ``min_bytes``)."""
     total = sum(c[2] for c in copies)
     parts = max(1, min(parts, total // max(min_bytes, 1) or 1))
     share = -(-total // parts)
@@ -156,8 +148,7 @@ class CmaReader:
 
 
 def _read_all(pid: int, copies: Sequence[Copy]) -> int:
-    """One thread's share: batches of up to IOV_MAX pairs, resuming after
-    partial reads (the kernel may stop early at a page it cannot pin)."""
+    """One thread's share, in batches of IOV_MAX, resuming after partial reads."""
     readv = _readv()
     done = 0
     pending = [list(c) for c in copies if c[2]]
@@ -194,8 +185,7 @@ _START_TIME: dict = {}  # this process's start time, read once
 
 
 def export_cma(ptrs: np.ndarray, nbytes: np.ndarray, token: str, node_id: str) -> Optional[CmaPart]:
-    """A :class:`CmaPart` of host-memory tensors at ``ptrs`` of ``nbytes``
-    each, or None when /proc is unreadable."""
+    """A :class:`CmaPart` of host-memory tensors at ``ptrs`` (``nbytes`` each), or None when /proc is unreadable."""
     pid = os.getpid()
     if pid not in _START_TIME:
         _START_TIME[pid] = process_start_time(pid)
@@ -207,10 +197,7 @@ def export_cma(ptrs: np.ndarray, nbytes: np.ndarray, token: str, node_id: str) -
 
 
 class CmaPath:
-    """Reads a :class:`CmaPart` into host-memory targets. A read the kernel
-    refuses is found with a one-byte probe before anything is written,
-    remembered per sender, and left to NIXL (``SGLANG_RDT_CMA=0`` turns the
-    path off)."""
+    """Reads a :class:`CmaPart` into host-memory targets; a sender the kernel refuses is remembered (NIXL serves it)."""
 
     def __init__(self):
         self._reader: Optional[CmaReader] = None
@@ -239,8 +226,7 @@ class CmaPath:
             return self._reader
 
     def read(self, part: CmaPart, targets, copy: bool = True) -> ReadResult:
-        """Read ``part``'s tensors into ``targets`` (a ``metadata.Targets``);
-        ``copy=False``: only check that they can be read."""
+        """Read ``part``'s tensors into ``targets`` (``copy=False``: only check that they can be read)."""
         t0 = time.perf_counter()
         targets.check(part.nbytes)
         res = ReadResult("cma", len(targets.tensors), int(part.nbytes.sum()), 0.0,
@@ -268,8 +254,7 @@ class CmaPath:
 
 
 def merge_copies(dst, src, nbytes) -> List[Copy]:
-    """``(dst, src, nbytes)`` copies, those that continue each other on both
-    sides merged into one; empty ones dropped."""
+    """``(dst, src, nbytes)`` copies, those adjacent on both sides merged, empty ones dropped."""
     out: List[List[int]] = []
     for d, s, n in zip(np.asarray(dst).tolist(), np.asarray(src).tolist(), np.asarray(nbytes).tolist()):
         if n == 0:

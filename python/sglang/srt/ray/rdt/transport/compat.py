@@ -1,11 +1,5 @@
-"""Every access to Ray's and NIXL's private internals, in one place.
-
-Each private name the weight-sync code needs (the RDT manager, the registry
-of tensor transports, a ref's owner, an actor's class name, the GCS job
-table) is reached through a function here, read from Ray 2.60.0; nothing
-here changes Ray's or NIXL's objects. :func:`check_versions` warns once per
-process when the installed Ray or NIXL is not a version this was written for.
-"""
+"""Every access to Ray's and NIXL's private internals, in one place and read-only; each accessor below was read
+from Ray 2.60.0. :func:`check_versions` warns once per process when the installed Ray or NIXL differs."""
 
 from __future__ import annotations
 
@@ -24,8 +18,7 @@ _check_lock = threading.Lock()  # the version check runs once
 
 
 def check_versions() -> Optional[str]:
-    """Warn once per process when Ray or NIXL is a version these private
-    accessors were not written for. Returns the warning, or None."""
+    """Warn once per process when Ray or NIXL is not a version these accessors were written for; return the warning."""
     global _checked
     if _checked:  # every ref lookup lands here: no lock once done
         return None
@@ -62,9 +55,7 @@ def check_versions() -> Optional[str]:
 
 
 def transport_base_classes() -> Tuple[type, type, type]:
-    """Ray's (CommunicatorMetadata, TensorTransportManager,
-    TensorTransportMetadata); plain ``object`` without Ray, so the pure parts
-    of the transports import anywhere."""
+    """Ray's (CommunicatorMetadata, TensorTransportManager, TensorTransportMetadata); ``object`` without Ray."""
     try:
         from ray.experimental.rdt.tensor_transport_manager import (
             CommunicatorMetadata,
@@ -84,8 +75,8 @@ def transport_manager(name: str):
 
 
 def register_transport(name: str, devices, manager_class: type, data_type: type) -> None:
-    """Register a custom tensor transport in this process (idempotent; Ray's
-    own push of it to a new actor may have registered it already)."""
+    """Register a custom tensor transport in this process (idempotent: Ray's push of it to a new actor may
+    have registered it already). Uses ``ray.experimental.rdt.util``'s private registry (Ray 2.60)."""
     from ray.experimental.rdt import util
 
     check_versions()
@@ -107,10 +98,8 @@ def nixl_communicator_metadata():
 
 
 def nixl_registered(tensor) -> bool:
-    """Whether ``tensor``'s storage is registered with NIXL in this process
-    (``ray.experimental.register_nixl_memory``). Reads Ray's NIXL transport's
-    registration table, checked against Ray 2.60: its owner keeps such memory
-    for readers (miles' bucket), the same-node path may map it once."""
+    """Whether ``tensor``'s storage is registered with NIXL in this process (``register_nixl_memory``): its owner
+    keeps it, so the same-node path may map it once. Reads Ray's NIXL transport's registration table (Ray 2.60)."""
     manager = transport_manager("NIXL")
     return bool(getattr(manager, "_tensor_memory_registered", lambda t: False)(tensor))
 

@@ -1,12 +1,6 @@
-"""The CUDA driver calls of the same-node GPU path, through ctypes.
+"""The CUDA driver and NVRTC calls of the same-node GPU path, through ctypes, and :class:`CopyKernel`.
 
-CUDA IPC handles (export a cudaMalloc segment, open it in another process),
-contexts, peer access, the copy-engine calls (``cuMemcpyAsync`` and the CUDA
-12.8+ ``cuMemcpyBatchAsync``) and :class:`CopyKernel`: one SM kernel that
-copies a whole table of ``(dst, src, nbytes)`` chunks in one launch, built
-with NVRTC (the ``libnvrtc`` that PyTorch's CUDA wheels ship), and the table
-itself cut into chunks on the GPU from one row per tensor. Loaded on first
-use (:func:`driver`): importing this module needs neither a GPU nor torch.
+Loaded on first use (:func:`driver`): importing this module needs neither a GPU nor torch.
 """
 
 from __future__ import annotations
@@ -29,14 +23,11 @@ class CudaDriverError(RuntimeError):
 
 
 class _CUipcMemHandle(ctypes.Structure):
-    # c_ubyte, not c_char: a c_char array field reads back as bytes cut at the
-    # first NUL (and writing through that copy corrupts memory).
+    # c_ubyte, not c_char: a c_char array reads back cut at the first NUL; writing through it corrupts memory.
     _fields_ = [("reserved", ctypes.c_ubyte * 64)]
 
 
 class _Driver:
-    """The few CUDA driver calls this package needs."""
-
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
         u64, sz, p = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
@@ -108,7 +99,6 @@ class _Driver:
         self.check("cuCtxPopCurrent", self.cuCtxPopCurrent(ctypes.byref(c)))
 
     def enable_peer_access(self, from_ordinal: int, to_ordinal: int) -> None:
-        """Let ``from_ordinal``'s context access ``to_ordinal``'s memory."""
         self.push(from_ordinal)
         try:
             rc = self.cuCtxEnablePeerAccess(ctypes.c_void_p(self.primary_ctx(to_ordinal)), 0)
@@ -124,9 +114,7 @@ class _Driver:
         return base.value, size.value
 
     def buffer_id(self, ptr: int) -> Optional[int]:
-        """The process-unique id of the allocation holding ``ptr`` (never reused
-        within a process: a segment freed and allocated again gets a new one),
-        or None when ``ptr`` is not allocated memory."""
+        """The id of the allocation holding ``ptr`` (process-unique, never reused), or None if not allocated."""
         out = ctypes.c_uint64()
         rc = self.cuPointerGetAttribute(ctypes.byref(out), CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr)
         return out.value if rc == 0 else None
@@ -157,7 +145,6 @@ class _Driver:
         return out.value
 
 
-# Copy-engine batches (GPU to GPU over NVLink).
 class _CUmemLocation(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
@@ -193,9 +180,6 @@ def memcpy_batch(drv: _Driver, dst, src, nbytes, stream: int, src_dev: int, dst_
     drv.check("cuMemcpyBatchAsync", drv.cuMemcpyBatchAsync(*args))
 
 
-# One SM kernel for a whole table of copies: each block takes chunks of the
-# table in turn and copies one with 16-byte loads and stores, eight loads in
-# flight per thread (bytes for what is left, or for unaligned chunks).
 _KERNEL_SRC = r"""
 extern "C" __global__ void __launch_bounds__(512)
 sglang_rdt_copy(const unsigned long long* __restrict__ tab, const int nchunks) {
@@ -243,7 +227,7 @@ sglang_rdt_chunks(const unsigned long long* __restrict__ rows, const int n,
 KERNEL_THREADS = 512
 TABLE_THREADS = 256
 KERNEL_BLOCKS_PER_SM = 2
-CHUNK_BYTES = 256 << 10  # (1.5-2 % faster than 1 MiB chunks on an H200)
+CHUNK_BYTES = 256 << 10
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
@@ -298,9 +282,7 @@ def compile_ptx(source: str, arch: str) -> bytes:
 
 
 class CopyKernel:
-    """:data:`_KERNEL_SRC` loaded on one device: :meth:`launch` copies every
-    chunk of a table with one kernel launch (thousands of few-MiB tensors cost
-    what one large copy does, where one copy-engine call per tensor does not)."""
+    """:data:`_KERNEL_SRC` loaded on one device: :meth:`launch` copies every chunk of a table in one launch."""
 
     def __init__(self, ordinal: int):
         drv = driver()
@@ -328,12 +310,8 @@ class CopyKernel:
         self._module, self._func, self._chunks = module, func, chunks
 
     def table(self, dst, src, nbytes, same_dst: bool = False):
-        """The device table of copies ``dst[i] <- src[i]`` (``nbytes[i]``),
-        cut into chunks of :data:`CHUNK_BYTES` on the GPU, queued on the
-        current stream (where :meth:`launch` reads it): the host makes and
-        uploads one row per copy, not one per chunk, and returns without
-        waiting for the stream. ``same_dst``: every
-        chunk lands on ``dst[i]`` itself (a read of the sources only)."""
+        """The device table of copies ``dst[i] <- src[i]`` (``nbytes[i]``) in :data:`CHUNK_BYTES` chunks, made on
+        the current stream without waiting. ``same_dst``: every chunk lands on ``dst[i]`` (a read of the sources)."""
         import numpy as np
         import torch
 
@@ -342,10 +320,7 @@ class CopyKernel:
         out = torch.empty(3 * nchunks, dtype=torch.int64, device=device)
         if not nchunks:
             return out
-        # From pinned memory without waiting: a pageable upload returns only
-        # once the stream drained, which on a GPU shared with a busy trainer
-        # is a time slice of the other process (0.26-0.50 ms on an H100) for
-        # every new table. (PyTorch keeps the pinned block until the copy ran.)
+        # Pinned: a pageable upload waits for the stream to drain (a time slice of a busy trainer sharing the GPU).
         rows_dev = torch.from_numpy(rows.view(np.int64)).pin_memory().to(device, non_blocking=True)
         n = len(rows) // 4
         grid = max(1, min((32 * n + TABLE_THREADS - 1) // TABLE_THREADS, self.grid_max * 8))
@@ -360,11 +335,10 @@ class CopyKernel:
                 self._chunks, grid, 1, 1, TABLE_THREADS, 1, 1, 0, ctypes.c_void_p(stream), params, None))
         finally:
             drv.pop()
-        return out  # (rows_dev is freed in stream order: after the kernel read it)
+        return out  # rows_dev is freed in stream order, after the kernel read it
 
     def launch(self, table_ptr: int, nchunks: int, stream: int) -> None:
-        """Copy the ``nchunks`` rows ``(dst, src, nbytes)`` of the device table
-        at ``table_ptr`` on ``stream`` (the table must live until it ran)."""
+        """Copy the ``nchunks`` rows ``(dst, src, nbytes)`` of the table at ``table_ptr`` on ``stream``."""
         if nchunks <= 0:
             return
         drv = driver()
@@ -381,10 +355,7 @@ class CopyKernel:
 
 
 def copy_rows(dst, src, nbytes, chunk: int = CHUNK_BYTES):
-    """``(rows, nchunks)``: per copy the row ``(dst, src, nbytes, index of its
-    first chunk)`` that :meth:`CopyKernel.table` cuts into chunks of at most
-    ``chunk`` bytes (a copy of 0 bytes has none), flat, as uint64; and how
-    many chunks all copies make."""
+    """``(rows, nchunks)``: per copy ``(dst, src, nbytes, first chunk)``, flat uint64, for :meth:`CopyKernel.table`."""
     import numpy as np
 
     n = np.asarray(nbytes, dtype=np.int64)
@@ -399,9 +370,7 @@ def copy_rows(dst, src, nbytes, chunk: int = CHUNK_BYTES):
 
 
 def copy_ptrs(ordinal: int, dst, src, nbytes) -> None:
-    """Copy ``nbytes[i]`` bytes from ``src[i]`` to ``dst[i]`` (addresses on
-    GPU ``ordinal``) with one :class:`CopyKernel` launch on the current
-    stream (bit for bit); returns once the copy is queued."""
+    """Copy ``nbytes[i]`` bytes ``src[i]`` -> ``dst[i]`` on GPU ``ordinal`` in one launch; returns once queued."""
     import torch
 
     if not len(dst):

@@ -1,31 +1,11 @@
-"""GPU tensors between processes of one node: kept memory, CUDA IPC handles, one copy.
+"""GPU tensors between processes of one node: CUDA IPC handles of kept memory, one copy per read.
 
-A rank reads a sender's GPU memory in place only where the sender keeps it
-for the ranks (*kept memory*): the trainer's staging pool, which holds the
-client's bucket slots (``trainer/staging.py``), and buffers the trainer
-registered with NIXL (``ray.experimental.register_nixl_memory``: miles'
-bucket). Every other tensor is first gathered into kept memory by the
-trainer (``trainer/sender.py``): one rule, so what a rank maps never depends
-on how PyTorch laid a trainer's tensors out, and a mapping is made once.
-
-The sender (:class:`CudaIpcExporter`) knows its kept segments per GPU
-(base, size, IPC handle, allocation id), sorted, and describes tensors by
-(segment, offset) with one vectorized lookup; a tensor outside them is
-refused (:class:`NotKept`). Kept memory stays allocated while kept, but the
-table is checked again whenever the device freed memory since it was made
-(PyTorch's ``num_device_free``): a segment freed and allocated anew has a new
-allocation id and gets a new handle, and readers replace their mapping.
-
-A reader (:class:`CudaIpcReader`) maps each segment once and keeps the
-mapping until the sender asks it to let go (:meth:`CudaIpcReader.release`)
-or the sender's process is gone (a watch thread closes those within
-:data:`WATCH_S`), and copies all tensors of a read at once: one SM kernel on
-one GPU, one batched copy-engine call between two. The sender synchronises
-its device before its tensors are read; the reader synchronises its copy on
-the host, unless the read is *fenced*: then it records its inter-process
-event after the copy and returns, the sender waits on that event before it
-reuses the memory, and the reader waits for the copy before its own next
-work (:meth:`CudaIpcReader.settle`).
+Only *kept memory* (the staging pool, buffers registered with NIXL) is read in place; other tensors are refused
+(:class:`NotKept`). The exporter checks its table again whenever the device freed memory: a segment allocated anew
+gets a new handle. A reader keeps each segment mapped until the sender releases it or exits (closed within
+:data:`WATCH_S`). The sender synchronises before a read; the reader synchronises its copy on the host unless the read
+is *fenced*: then the sender waits on the reader's event before reusing the memory, and the reader settles the copy
+before its next work.
 """
 
 from __future__ import annotations
@@ -49,10 +29,8 @@ from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadRe
 
 logger = logging.getLogger(__name__)
 
-# How often a reader closes the kept mappings of senders whose process is gone.
 WATCH_S = 1.0
-# Where a process's kept memory comes from, per GPU: functions that list
-# (base, size) of kept segments (the staging pool's).
+# Lists (base, size) of one GPU's kept segments (the staging pool's).
 KeptSource = Callable[[], Iterable[Tuple[int, int]]]
 
 
@@ -96,8 +74,7 @@ class CudaIpcExporter:
         self._registered: Dict[int, set] = {}  # ordinal -> storage addresses registered as kept
         self._tables: Dict[int, _KeptTable] = {}
         self._frees: Dict[int, int] = {}  # ordinal -> device frees when its table was checked
-        # (ordinal, node, addresses, sizes) -> its IpcPart: tensors made anew at the same
-        # places (the pool hands them out again) are described without a lookup.
+        # (ordinal, node, addresses, sizes) -> IpcPart: tensors made anew at the same places skip the lookup.
         self._parts: Dict[tuple, IpcPart] = {}
         self._kept_ids = itertools.count(1)
         self._lock = threading.Lock()  # guards the sources, tables and parts
@@ -134,8 +111,7 @@ class CudaIpcExporter:
             return ok
 
     def export(self, ptrs: np.ndarray, nbytes: np.ndarray, ordinal: int, node_id: str) -> IpcPart:
-        """An :class:`IpcPart` of the contiguous tensors at ``ptrs`` (``nbytes``
-        each, on GPU ``ordinal``), all in kept memory, or :class:`NotKept`."""
+        """An :class:`IpcPart` of contiguous tensors at ``ptrs`` (``nbytes`` each, GPU ``ordinal``); raises NotKept."""
         with self._lock:
             self._check_frees(ordinal)
             key = (ordinal, node_id, ptrs.tobytes(), nbytes.tobytes())
@@ -163,8 +139,7 @@ class CudaIpcExporter:
             return part
 
     def _check_frees(self, ordinal: int) -> None:
-        """The device freed memory since the table was checked: check it again
-        before it is used (a kept segment's allocation id must not change)."""
+        """Rebuild the table if the device freed memory and a kept segment's allocation id changed."""
         frees = device_frees(ordinal)
         if self._frees.get(ordinal) != frees:
             self._frees[ordinal] = frees
@@ -178,10 +153,9 @@ class CudaIpcExporter:
                     drv.pop()
                 if changed:
                     self._tables[ordinal] = self._build(ordinal, table)
-                    self._parts.clear()  # (their handles may be stale)
+                    self._parts.clear()  # their handles may be stale
 
     def _build(self, ordinal: int, old: Optional[_KeptTable]) -> _KeptTable:
-        """The kept segments of GPU ``ordinal`` as their sources list them now."""
         drv = cuda_driver.driver()
         known = {e[0]: e for e in (old.entries if old is not None else ())}
         segments = {}
@@ -223,9 +197,7 @@ class CudaIpcReader:
         self.kept: Dict[Tuple[str, int], _Mapping] = {}  # (sender, base) -> mapping
         self._ordinals: Dict[str, Optional[int]] = {}
         self._tables: Dict[int, tuple] = {}  # id(targets ptrs) -> (ptrs, src, device table)
-        # id(part) -> (part, (generation, ordinal), its tensors' addresses here): a
-        # description read again (a lane names it) is not looked at again while no
-        # mapping closed (each close bumps the generation).
+        # id(part) -> (part, (generation, ordinal), addresses here); each closed mapping bumps the generation.
         self._resolved: Dict[int, tuple] = {}
         self._gen = 0
         self._no_kernel: Optional[str] = None
@@ -234,8 +206,7 @@ class CudaIpcReader:
         self._watch: Optional[threading.Thread] = None
 
     def fence(self, ordinal: int) -> torch.cuda.Event:
-        """The inter-process event a fenced read on GPU ``ordinal`` records
-        after its copy (made once; a sender opens it from its IPC handle)."""
+        """The inter-process event fenced reads on GPU ``ordinal`` record after their copy (made once)."""
         with self.lock:
             return self._fence_locked(ordinal)
 
@@ -278,12 +249,9 @@ class CudaIpcReader:
 
     def read(self, part: IpcPart, targets: Targets, device, copy: bool = True,
              fence: bool = False) -> ReadResult:
-        """Copy ``part``'s tensors into ``targets`` (all on ``device``).
-        ``copy=False``: map its segments only (and make the copy's kernel
-        table). ``fence``: return once the copy is queued, with this
-        reader's event recorded after it (``res.fenced``). Raises
-        :class:`MappingFailed` before any byte moved when a segment cannot be
-        mapped (another reader, e.g. NIXL, may still serve the read)."""
+        """Copy ``part``'s tensors into ``targets`` on ``device`` (``copy=False``: only map and make the kernel table;
+        ``fence``: return with the copy queued and this reader's event recorded after it). Raises
+        :class:`MappingFailed`, before any byte moved, when a segment cannot be mapped."""
         t0 = time.perf_counter()
         targets.check(part.nbytes)
         dst_ord = device.index if device.index is not None else torch.cuda.current_device()
@@ -308,7 +276,7 @@ class CudaIpcReader:
                     res.copy_seconds = time.perf_counter() - t1
                 elif len(targets.tensors) and src_ord == dst_ord:
                     kernel = self._kernel(dst_ord)
-                    if kernel is not None:  # the first read's table, made now
+                    if kernel is not None:  # the first read's table
                         self._table(kernel, targets, src, part.nbytes)
                         stream.synchronize()  # (a pull may run on another stream)
             finally:
@@ -317,7 +285,6 @@ class CudaIpcReader:
         return res
 
     def _sources(self, drv, part: IpcPart, ordinal: int, res: ReadResult, copy: bool) -> np.ndarray:
-        """Where ``part``'s tensors are in this process, mapping what is not mapped."""
         hit = self._resolved.get(id(part))
         if hit is not None and hit[0] is part and hit[1] == (self._gen, ordinal):
             res.reused += len(part.segments)
@@ -371,11 +338,9 @@ class CudaIpcReader:
         return res.opened
 
     def _touch(self, mappings: List[Tuple[int, int]], ordinal: int) -> None:
-        """Read segments mapped ahead of use once (into a scratch chunk): the
-        first update's copy otherwise pays for the first touch of its source
-        pages (the first copy ran 1.3-1.6x a later one)."""
+        """Read newly mapped segments once, so that the first copy does not pay for touching them first."""
         kernel = self._kernel(ordinal)
-        if kernel is None:  # (said once by _kernel)
+        if kernel is None:
             return
         try:
             scratch = torch.empty(cuda_driver.CHUNK_BYTES, dtype=torch.uint8, device=torch.device("cuda", ordinal))
@@ -407,8 +372,7 @@ class CudaIpcReader:
         return "ce"
 
     def _kernel(self, ordinal: int):
-        """The SM copy kernel on GPU ``ordinal``, or None (it could not be
-        built: said once; copies then go through the copy engine)."""
+        """The SM copy kernel on GPU ``ordinal``, or None when it cannot be built (logged once)."""
         if self._no_kernel is not None:
             return None
         try:
@@ -419,8 +383,7 @@ class CudaIpcReader:
             return None
 
     def _table(self, kernel, targets: Targets, src: np.ndarray, nbytes: np.ndarray):
-        """The kernel's device table; the last one of these targets is reused
-        when the sources are the same."""
+        """The kernel's device table, reused while these targets' sources stay the same."""
         cached = self._tables.get(id(targets.ptrs))
         if cached is not None and cached[0] is targets.ptrs and np.array_equal(cached[1], src):
             return cached[2]
@@ -431,7 +394,7 @@ class CudaIpcReader:
         return table
 
     def _close(self, drv, ptr: int) -> None:
-        self._settle_locked()  # (a fenced copy may still read it)
+        self._settle_locked()  # a fenced copy may still read it
         try:
             drv.ipc_close(ptr)
         except CudaDriverError as e:  # pragma: no cover - best effort
@@ -450,8 +413,7 @@ class CudaIpcReader:
             self._watch.start()
 
     def release(self, sender: Optional[str] = None, gone_only: bool = False) -> int:
-        """Close the kept mappings of ``sender`` (every sender: None;
-        ``gone_only``: only those of sender processes that exited)."""
+        """Close ``sender``'s kept mappings (None: all; ``gone_only``: of exited processes); returns how many."""
         if not self.kept:
             return 0
         alive: Dict[int, bool] = {}  # one look per sender process
@@ -497,8 +459,7 @@ class CudaIpcReader:
 
 
 def _watch_senders(reader_ref) -> None:
-    """Close the kept mappings of senders whose process is gone (their memory
-    stays allocated while mapped), every :data:`WATCH_S`, while the reader lives."""
+    """Close mappings of exited senders (their memory stays allocated while mapped) while the reader lives."""
     while True:
         time.sleep(WATCH_S)
         reader = reader_ref()

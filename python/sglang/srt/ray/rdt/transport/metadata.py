@@ -1,10 +1,5 @@
-"""What a same-node read is given, and what it reports back.
-
-Plain dataclasses pickled from the sender to every reader (by this module's
-name: sender and readers run the same fork): inside an ``SGLANG_IPC`` ref's
-metadata (Ray carries it) or in a lane request (``engine/local_lane.py``).
-Per-tensor fields are numpy arrays: thousands of tensors cost one buffer each.
-"""
+"""What a same-node read is given, and what it reports back; pickled by this module's name (sender and readers
+run the same fork)."""
 
 from __future__ import annotations
 
@@ -18,9 +13,7 @@ from sglang.srt.ray.rdt.transport.compat import transport_base_classes
 
 CommunicatorMetadata, _TransportManager, TensorTransportMetadata = transport_base_classes()
 
-# (segment base in the sender, segment size, 64-byte IPC handle) of memory its
-# sender keeps for the readers (the trainer's staging pool, a registered
-# buffer): readers keep it mapped until the sender releases it or exits.
+# (base in the sender, size, 64-byte IPC handle) of kept memory, mapped until the sender releases it or exits.
 Segment = Tuple[int, int, bytes]
 
 
@@ -36,8 +29,7 @@ class IpcPart:
     seg: np.ndarray  # per tensor: index into segments (int64)
     offset: np.ndarray  # per tensor: byte offset in its segment (int64)
     nbytes: np.ndarray  # per tensor (int64)
-    # Unique in the sender process: a lane sends a description once and
-    # names it after (the same tensors' places, update after update).
+    # unique in the sender: a lane sends a description once and names it after
     kept_id: int = 0
 
 
@@ -121,8 +113,6 @@ class Targets:
 
 
 def addresses(tensors) -> Tuple[np.ndarray, np.ndarray]:
-    """``tensors``' data addresses and sizes."""
-    # (torch's own method, unbound: half the cost of looking it up on each tensor)
     ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, len(tensors))
     return ptrs, np.array([t.nbytes for t in tensors], np.int64)
 

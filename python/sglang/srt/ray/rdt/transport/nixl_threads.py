@@ -1,13 +1,8 @@
 """This process's Ray NIXL agent, with its busy progress thread at idle priority.
 
-NIXL starts the UCX progress thread of every agent with a poll delay of 0,
-and Ray builds each process's agent with no setting for it: the thread keeps
-a core busy for the life of every process that touched NIXL. :func:`start_nixl_agent`
-builds the agent where this package first needs it and puts the threads it
-started that keep spinning at ``SCHED_IDLE``: they run only on CPU time
-nothing else wants, and NIXL's transfers (progressed by the threads that
-wait on them) are not slowed. A trainer that puts tensors with
-``_tensor_transport="nixl"`` itself calls it once, before its first put.
+NIXL's UCX progress thread polls with a delay of 0 (Ray sets none), keeping a core busy for the process's life;
+at ``SCHED_IDLE`` it does not slow transfers (progressed by the threads that wait on them). A trainer that puts
+with ``_tensor_transport="nixl"`` calls :func:`start_nixl_agent` once, before its first put.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ _idled = 0
 
 
 def start_nixl_agent() -> int:
-    """Build this process's Ray NIXL agent (once; nothing if it exists) and
-    put the threads it started that spin at ``SCHED_IDLE``. Returns how many."""
+    """Build this process's Ray NIXL agent (once) and idle the threads it started that spin; return how many."""
     global _started, _idled
     if _started:
         return _idled
@@ -66,8 +60,7 @@ def _threads() -> Set[int]:
 
 
 def _runnable_ns(tid: int) -> int:
-    """Time ``tid`` spent on a CPU or waiting for one (ns): what it wanted,
-    not what a busy host gave it (``schedstat``; CPU ticks where it is missing)."""
+    """Nanoseconds ``tid`` was runnable, on a CPU or waiting for one (CPU ticks where ``schedstat`` is missing)."""
     try:
         with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
             on_cpu, waiting = f.read().split()[:2]
@@ -79,8 +72,7 @@ def _runnable_ns(tid: int) -> int:
 
 
 def _spinning(tids: Set[int]) -> Set[int]:
-    """The threads of ``tids`` that were runnable at least
-    :data:`SPINNING_SHARE` of the :data:`WATCH_S` they were watched."""
+    """The threads of ``tids`` runnable at least :data:`SPINNING_SHARE` of the :data:`WATCH_S` they were watched."""
     start: Dict[int, int] = {t: _runnable_ns(t) for t in tids}
     time.sleep(WATCH_S)
     return {t for t in tids if _runnable_ns(t) - start[t] >= SPINNING_SHARE * WATCH_S * 1e9}

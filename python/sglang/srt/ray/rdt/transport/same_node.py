@@ -1,15 +1,5 @@
-"""Same-node reads: this process's sender identity, its exporter and its reader.
-
-A sender describes tensors so that a process on its node can read them
-without a network stack (:func:`export`): GPU tensors in kept memory (the
-staging pool, registered buffers) by the CUDA IPC handles of their segments
-(:mod:`.cuda_ipc`; any other GPU tensor is refused, the trainer gathers it
-into kept memory first), host-memory tensors by their addresses for
-``process_vm_readv`` (:mod:`.cma`: nothing is mapped). The description
-travels in an ``SGLANG_IPC`` ref or a request on a rank's call lane; a
-reader reads it into its targets (:func:`read`). One exporter and one reader
-per process; :func:`token` is the process's identity as a sender.
-"""
+"""Same-node reads: this process's sender identity (:func:`token`), its one exporter and its one reader, over
+:mod:`.cuda_ipc` (kept GPU memory) and :mod:`.cma` (host memory)."""
 
 from __future__ import annotations
 
@@ -43,7 +33,6 @@ def token() -> str:
 
 
 def node_id() -> str:
-    """This process's Ray node id."""
     global _node_id
     if _node_id is None:
         import ray
@@ -73,9 +62,7 @@ def _parts():
 
 
 def keep(ordinal: int, source: KeptSource, add: bool = True) -> None:
-    """Declare (``add=False``: withdraw, before it is freed) ``source``, a
-    function listing ``(base, size)`` of segments of GPU ``ordinal`` this
-    process keeps for the readers (the staging pool)."""
+    """Declare ``source``, listing ``(base, size)`` of kept segments of GPU ``ordinal`` (``add=False``: withdraw)."""
     exporter = _parts()[0]
     (exporter.add_source if add else exporter.remove_source)(ordinal, source)
 
@@ -93,11 +80,8 @@ def kept_mask(scan) -> np.ndarray:
 
 
 def export(tensors, with_specs: bool = True, scan=None) -> SglangIpcTransportMetadata:
-    """Describe ``tensors`` (contiguous, on one device; GPU tensors in kept
-    memory, else :class:`NotKept`; ``with_specs=False``: without shapes and
-    dtypes; ``scan``: their :class:`~.tensor_scan.Scan`, when the caller has
-    it) for a same-node reader. The caller makes sure queued work on them is
-    done before anyone reads them."""
+    """Describe contiguous ``tensors`` of one device for a same-node reader (:class:`NotKept`: GPU tensors outside
+    kept memory; ``scan``: theirs, if known). Queued work on them must be done before anyone reads them."""
     meta = SglangIpcTransportMetadata(
         tensor_meta=[(tuple(t.shape), t.dtype) for t in tensors] if with_specs else [],
         tensor_device=tensors[0].device.type if tensors else None)
@@ -114,8 +98,7 @@ def export(tensors, with_specs: bool = True, scan=None) -> SglangIpcTransportMet
 
 def describe(ptrs: np.ndarray, nbytes: np.ndarray, device,
              meta: Optional[SglangIpcTransportMetadata] = None) -> SglangIpcTransportMetadata:
-    """A same-node description of the bytes at ``ptrs`` (``nbytes`` each) on
-    ``device`` (host memory, or kept GPU memory: :class:`NotKept` otherwise)."""
+    """As :func:`export`, for the bytes at ``ptrs`` (``nbytes`` each) on ``device``."""
     if meta is None:
         meta = SglangIpcTransportMetadata(tensor_meta=[], tensor_device=device.type)
     if device.type == "cpu":
@@ -139,12 +122,9 @@ def unusable(meta: SglangIpcTransportMetadata, device) -> Optional[str]:
 
 def read(meta: SglangIpcTransportMetadata, targets: Targets, device, copy: bool = True,
          fence: bool = False) -> ReadResult:
-    """Read ``meta``'s tensors into ``targets`` (call :func:`unusable` first).
-    ``fence``: a GPU read of kept memory may return with its copy still
-    running (``fenced`` in the result: the sender waits on :func:`fence`'s
-    event, this process calls :func:`settle` before its next work).
-    :class:`~.metadata.MappingFailed`: refused before any byte moved; anything
-    else raised means bytes may have landed."""
+    """Read ``meta``'s tensors into ``targets`` (call :func:`unusable` first). ``fence``: a GPU read may return with
+    its copy running (the sender waits on :func:`fence`'s event; call :func:`settle` before the next work). Raises
+    :class:`~.metadata.MappingFailed` when refused before any byte moved; any other error: bytes may have landed."""
     _, ipc, cma = _parts()
     if meta.cma is not None:
         return cma.read(meta.cma, targets, copy)
@@ -152,9 +132,7 @@ def read(meta: SglangIpcTransportMetadata, targets: Targets, device, copy: bool 
 
 
 def fence(device) -> Optional[Dict[str, Any]]:
-    """What a sender on this node needs to wait for this process's fenced
-    reads into ``device``: the event's IPC handle and the GPU's UUID (None
-    off CUDA, or when the event cannot be shared)."""
+    """``{"handle": event IPC handle, "gpu": UUID}`` a sender waits on for fenced reads into ``device``, or None."""
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None
     from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
@@ -176,23 +154,21 @@ def settle() -> None:
 
 
 def map_kept(meta: SglangIpcTransportMetadata, device) -> int:
-    """Map the segments of ``meta`` (GPU) now, before a read needs them.
-    Returns how many opened."""
+    """Map ``meta``'s GPU segments now, before a read needs them; returns how many opened."""
     if meta.ipc is None or unusable(meta, device) is not None:
         return 0
     return _parts()[1].map_kept(meta.ipc, device)
 
 
 def release(sender: Optional[str] = None, gone_only: bool = False) -> int:
-    """Close the kept mappings of ``sender``'s memory (every sender: None;
-    ``gone_only``: of senders whose process exited). Returns how many."""
+    """Close ``sender``'s kept mappings (None: all; ``gone_only``: of exited processes); returns how many."""
     if _ipc_reader is None:
         return 0
     return _ipc_reader.release(sender, gone_only)
 
 
 def warm(device) -> None:
-    """Build what the first read into ``device`` would (the copy kernel: ~0.1 s)."""
+    """Build the copy kernel of ``device`` now rather than in the first read."""
     from sglang.srt.ray.rdt.transport.cuda_driver import copy_kernel
 
     try:

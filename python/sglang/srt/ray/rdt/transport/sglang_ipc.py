@@ -1,13 +1,7 @@
 """``SGLANG_IPC``: a Ray tensor transport that reads on the sender's node without NIXL.
 
-A trainer puts its tensors with ``ray.put(tensors, _tensor_transport="SGLANG_IPC")``;
-the ref's metadata carries a same-node part (:func:`.same_node.export`) and
-Ray's NIXL metadata of the same tensors. A reader on the sender's node that
-can read the same-node part copies straight into its targets; any other
-reader (another node, a GPU it cannot see, a read refused before a byte
-moved) reads through NIXL. Ray pushes a custom transport to a new actor
-asynchronously, so every process that puts or gets calls :func:`register`
-itself (idempotent), and the creator calls it before creating the actors.
+A ref carries a same-node part and Ray's NIXL metadata of the same tensors; a reader that cannot use the same-node
+part reads through NIXL. Ray pushes a custom transport to new actors asynchronously: see :func:`register`.
 """
 
 from __future__ import annotations
@@ -67,8 +61,7 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
             raise ValueError("All tensors in an RDT object must be on one device type.")
         if any(not t.is_contiguous() for t in rdt_object):
             raise ValueError("All tensors in an RDT object must be contiguous.")
-        # NIXL's put synchronises the tensors' devices first: the same-node
-        # part below describes bytes that are final.
+        # NIXL's put synchronises the tensors' devices first: the same-node part describes final bytes.
         nixl_threads.start_nixl_agent()
         nixl = self._nixl().extract_tensor_transport_metadata(obj_id, rdt_object)
         if device.type == "cuda" and any(t.device != device for t in rdt_object):
@@ -82,9 +75,7 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
 
     @staticmethod
     def _same_node_part(tensors) -> SglangIpcTransportMetadata:
-        """Host memory, or GPU memory kept for readers (the client's staging
-        pool, a buffer registered with NIXL): readers on this node map it once.
-        Other GPU memory gets no same-node part (it is read through NIXL)."""
+        """The same-node part of host memory or kept GPU memory; other GPU memory gets none (read through NIXL)."""
         if tensors[0].is_cuda:
             for t in tensors:
                 if compat.nixl_registered(t):

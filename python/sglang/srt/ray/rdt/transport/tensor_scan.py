@@ -1,18 +1,7 @@
-"""What a sender needs of each tensor it sends, read in one call.
+"""What a sender needs of each tensor (address, size, device, dtype, shape, contiguity), read in one call.
 
-:func:`scan` gives a :class:`Scan` of a list of tensors: each one's data
-address, size in bytes, device (its CUDA ordinal; -1 in host memory), dtype,
-shape and contiguity, as numpy arrays. The trainer side compares an update's
-layout with the last one, checks devices and contiguity and describes the
-tensors from these arrays, so thousands of MoE expert tensors cost one call
-instead of a Python lookup per tensor and field (~2 ms for 3072 tensors).
-
-The call is a small C++ extension (``csrc/tensor_scan.cpp``), compiled against
-the installed torch on first use (~20 s, once per machine and torch version)
-and kept in sglang's JIT cache directory (``SGLANG_JIT_CACHE_DIR``, by default
-``$SGLANG_CACHE_DIR/jit``), like sglang's own JIT kernels. Without a C++
-compiler, or with ``SGLANG_RDT_NATIVE_SCAN=0``, the same arrays are read
-through Python, one pass per field; so are lists that hold tensor subclasses.
+The call is ``csrc/tensor_scan.cpp``, compiled on first use into sglang's JIT cache; without a C++ compiler, with
+``SGLANG_RDT_NATIVE_SCAN=0``, or for tensor subclasses, the same arrays are read through Python.
 """
 
 from __future__ import annotations
@@ -70,7 +59,6 @@ class Scan:
 
     def same_layout(self, other: "Scan") -> bool:
         """Whether both lists hold tensors of the same shapes and dtypes, in order."""
-        # (their bytes compared: every array is int64; about half the cost of np.array_equal)
         return (self.dtype.tobytes() == other.dtype.tobytes() and self.ndim.tobytes() == other.ndim.tobytes()
                 and self.dims.tobytes() == other.dims.tobytes())
 
@@ -86,7 +74,6 @@ class Scan:
         return [table[c] for c in self.dtype.tolist()]
 
     def part(self, start: int, stop: int) -> "Scan":
-        """The scan of tensors ``start:stop``."""
         at = int(self.ndim[:start].sum())
         end = at + int(self.ndim[start:stop].sum())
         return Scan(self.ptrs[start:stop], self.nbytes[start:stop], self.device[start:stop],
@@ -95,8 +82,7 @@ class Scan:
 
 
 def scan(tensors: List[Any]) -> Scan:
-    """A :class:`Scan` of ``tensors`` (a list). :class:`NotATensor` names the
-    first item that is not a tensor."""
+    """A :class:`Scan` of ``tensors``; raises :class:`NotATensor` naming the first item that is not a tensor."""
     if not isinstance(tensors, list):
         tensors = list(tensors)
     mod = native()
@@ -133,26 +119,23 @@ def _scan_python(tensors: List[Any]) -> Scan:
 
 
 def prepare() -> None:
-    """Build or load the extension and its dtype table now (a client does at
-    construction), not inside an update."""
+    """Build or load the extension and its dtype table now (a client does at construction), not in an update."""
     _dtype_table()
 
 
-# -- dtype codes ---------------------------------------------------------------- #
 _codes: Optional[Tuple[Dict[torch.dtype, int], Dict[int, torch.dtype]]] = None
 _lock = threading.Lock()  # guards building the extension and the dtype table once
 
 
 def _dtype_table() -> Tuple[Dict[torch.dtype, int], Dict[int, torch.dtype]]:
-    """``({dtype: code}, {code: dtype})``: the native scan's codes (torch's
-    ScalarType) for every dtype it reads, when it is there."""
+    """``({dtype: code}, {code: dtype})``, with the native scan's codes (torch's ScalarType) when it is there."""
     global _codes
     if _codes is None:
         mod = native()
         code_of: Dict[torch.dtype, int] = {}
         for d in sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str):
             try:
-                with warnings.catch_warnings():  # (experimental dtypes say so)
+                with warnings.catch_warnings():  # experimental dtypes warn
                     warnings.simplefilter("ignore")
                     out = mod.scan([torch.empty(0, dtype=d)]) if mod is not None else None
             except Exception:  # a dtype torch cannot make here
@@ -171,7 +154,6 @@ def _new_code(dtype: torch.dtype) -> int:
     return code_of[dtype]
 
 
-# -- the extension ---------------------------------------------------------------- #
 _native: Any = None
 _native_tried = False
 
@@ -235,7 +217,7 @@ def _build(out: Path, torch_dir: Path, abi: int) -> None:
              f"-L{lib}", "-ltorch_python", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     errors = ""
-    for std in ("-std=c++20", "-std=c++17"):  # (what the installed torch's headers need)
+    for std in ("-std=c++20", "-std=c++17"):  # what the installed torch's headers need
         p = subprocess.run([cxx, std, *flags, "-o", str(tmp)], capture_output=True, text=True, timeout=900)
         if p.returncode == 0:
             os.replace(tmp, out)

@@ -130,11 +130,6 @@ class ToyRankBase(StandaloneRank):
         finally:
             rx.set_target_for_ref = real
 
-    def gc_enabled(self) -> bool:
-        import gc
-
-        return gc.isenabled()
-
     def arm_sender_kill(self, pid: int, timeout_s: float = 120.0):
         """Start a thread that SIGKILLs process ``pid`` (a sender on this host)
         as soon as a pull into this rank's parameters is part-way done.

@@ -18,7 +18,6 @@ from sglang.srt.managers.weight_listeners import (
     notify_weights_released,
     notify_weights_resumed,
 )
-from sglang.srt.ray.rdt import gc_pause
 from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
 from sglang.srt.ray.rdt.engine import plan as plan_mod
 from sglang.srt.ray.rdt.engine.plan import (
@@ -28,7 +27,7 @@ from sglang.srt.ray.rdt.engine.plan import (
     plan_pull,
     unique_storages,
 )
-from sglang.srt.ray.rdt.engine.receiver import GC_HOLDER, RdtWeightReceiver
+from sglang.srt.ray.rdt.engine.receiver import RdtWeightReceiver
 from sglang.srt.ray.rdt.engine.registration import RegistrationBook, expandable_segment_tensors
 from sglang.srt.ray.rdt.engine.sources import sources_of
 from sglang.srt.ray.rdt.transport import nixl_threads
@@ -271,7 +270,6 @@ def receiver():
     recv.model = model
     yield recv
     recv.close()
-    gc_pause.resume(GC_HOLDER)
 
 
 def test_a_pull_lands_in_the_live_storage_and_a_second_one_reuses_the_plan(receiver):
@@ -377,7 +375,6 @@ def test_registering_walks_once_and_the_first_pull_plans_against_that_walk(monke
         assert walks.count == 2 and len(nixl.log) == 2
     finally:
         recv.close()
-        gc_pause.resume(GC_HOLDER)
 
 
 def test_receiver_drops_registrations_on_release_and_restores_on_resume(monkeypatch):
@@ -412,8 +409,6 @@ def test_sglangs_own_weight_loads_make_the_rank_walk_the_model_again():
     the rank core then walks the model again (on its loop's thread, not in
     the next pull): the load's post-load processing may have replaced
     parameter objects, which no check of the old objects can see."""
-    import threading
-
     from sglang.srt.managers.scheduler_components.weight_updater import (
         SchedulerWeightUpdaterManager,
     )

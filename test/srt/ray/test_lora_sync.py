@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 
-from conftest import LORA_ARGS, LORA_TARGETS, TRAINER, MemorySource, start_server
+from conftest import LORA_ARGS, LORA_TARGETS, MemorySource, start_server
 from sglang.srt.lora.adapter_stash import AdapterStashes, checksum, expected_tensors, split_name
 from sglang.srt.ray.rdt.errors import WeightSyncError
 

@@ -8,7 +8,6 @@ test_receiver_faults.py and the server tests."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import threading
 
@@ -17,9 +16,7 @@ import torch
 
 from conftest import TRAINER, MemorySource, wait_until
 
-from sglang.srt.ray.rdt import gc_pause
 from sglang.srt.ray.rdt.engine.rank_sync import NOT_PAUSED, RankStatus, failure_kind
-from sglang.srt.ray.rdt.engine.receiver import GC_HOLDER
 from sglang.test.rdt_standalone import standalone_rank
 from sglang.srt.ray.rdt.engine.update_state import Writer
 from sglang.srt.ray.rdt.errors import (
@@ -49,7 +46,6 @@ def rank():
     yield sync
     sync.loop.stop()
     sync.shutdown()
-    gc_pause.resume(GC_HOLDER)  # a test that left its update open let go of the collector
 
 
 def _after_queued_work(rank):
@@ -290,26 +286,15 @@ def test_abort_queues_the_next_updates_walk_like_an_end(rank):
     assert not rank.receiver.needs_refresh()
 
 
-def test_a_refused_pull_leaves_the_collector_on(rank):
-    rank.port.is_paused = True
-    with pytest.raises(WeightSyncError):
-        rank.pull_sources([MemorySource(weights(1.0))], ["no.such", "names"])
-    assert gc.isenabled() and not rank.state.update_open
-
-
-def test_a_pull_after_shutdown_is_refused_and_shutdown_lets_go_of_the_collector(rank, monkeypatch):
-    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "1")
+def test_a_pull_after_shutdown_is_refused(rank):
     rank.port.is_paused = True
     rank.pull_sources([MemorySource(weights(1.0))], NAMES)
-    assert not gc.isenabled()  # the update is still open
     rank.shutdown()
-    assert gc.isenabled()
     src = MemorySource(weights(2.0))
     with pytest.raises(WeightSyncError, match="the engine is shut down; this rank accepts no more pulls"):
         rank.pull_sources([src], NAMES)
     assert src.threads == [] and rank.state.status()["failures"] == {"rejected": 1}
     assert torch.equal(rank.model.weight, weights(1.0)[0])
-    assert gc.isenabled()
 
 
 def test_layout_names_every_parameter(rank):
@@ -403,49 +388,6 @@ def test_an_update_ended_on_the_lane_walks_after_its_answer_left(rank, monkeypat
     wait_until(lambda: not recv.needs_refresh(), 10, interval=0.005,
                what="the walk queued after the lane's answer")
 
-
-# --------------------------------------------------------------------------- #
-# The collector during an update (SGLANG_RDT_PAUSE_GC)
-# --------------------------------------------------------------------------- #
-def test_the_collector_stays_off_from_the_first_pull_until_the_update_ends(rank, monkeypatch):
-    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "1")
-    assert gc.isenabled()
-    rank.port.is_paused = True  # (miles: /pause_generation, then /begin_weight_update)
-    rank.begin()
-    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
-    assert not gc.isenabled()
-    rank.pull_sources([MemorySource(weights(2.0))], NAMES)
-    assert not gc.isenabled()
-    rank.finalize("v1")
-    assert not gc.isenabled()  # still paused for the next update: until generation continues
-    rank.port.is_paused = False
-    rank.on_scheduler(rank.on_generation_continued)
-    assert gc.isenabled()
-
-
-def test_a_rank_paused_for_the_next_update_collects_again_when_generation_continues(rank, monkeypatch):
-    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "1")
-    rank.port.is_paused = True
-    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
-    rank.finalize("v1")
-    assert not gc.isenabled()  # paused: a pending collection would land in the next pull
-    rank.port.is_paused = False
-    rank.on_scheduler(rank.on_generation_continued)
-    assert gc.isenabled()
-
-
-@pytest.mark.parametrize("setting", [None, "0"], ids=["default", "off"])
-def test_by_default_or_with_sglang_rdt_pause_gc_0_the_collector_is_left_alone(rank, monkeypatch, setting):
-    if setting is None:
-        monkeypatch.delenv("SGLANG_RDT_PAUSE_GC", raising=False)
-    else:
-        monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", setting)
-    rank.port.is_paused = True  # (miles: /pause_generation, then /begin_weight_update)
-    rank.begin()
-    rank.pull_sources([MemorySource(weights(1.0))], NAMES)
-    assert gc.isenabled() and gc_pause.holders() == set()
-    rank.finalize("v1")
-    assert gc.isenabled()
 
 
 # --------------------------------------------------------------------------- #

@@ -1,6 +1,5 @@
 """The logic behind the same-node/same-GPU fast path that runs without a GPU:
-the rank's garbage-collector pause around updates (``gc_pause``,
-``SGLANG_RDT_PAUSE_GC``), the client's route (:meth:`WeightSyncClient.route`:
+a broken transfer on a rank, the client's route (:meth:`WeightSyncClient.route`:
 the trainer's own tensors or bucket slots, lanes or Ray, and the refusal of
 NIXL for a rank on the trainer's GPU) over rank statuses made here, and the
 receiver's warning about a NIXL pull that fell back to TCP.
@@ -12,17 +11,14 @@ The GPU side (CUDA IPC reads, a trainer dying around one) is in
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import pytest
 import torch
 
-from conftest import wait_until
-from sglang.srt.ray.rdt import gc_pause
 from sglang.srt.ray.rdt.defaults import SGLANG_IPC
 from sglang.srt.ray.rdt.engine.plan import TensorSpec
-from sglang.srt.ray.rdt.engine.receiver import GC_HOLDER, RdtWeightReceiver
+from sglang.srt.ray.rdt.engine.receiver import RdtWeightReceiver
 from sglang.srt.ray.rdt.engine.update_state import Writer
 from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
 from sglang.srt.ray.rdt.trainer.client import Route, WeightSyncClient
@@ -30,68 +26,6 @@ from sglang.srt.ray.rdt.transport import cuda_driver, same_node
 from sglang.srt.ray.rdt.transport.metadata import ReadResult
 
 NODE, OTHER_NODE, GPU0, GPU1 = "node-a", "node-b", "GPU-0000", "GPU-1111"
-
-
-@pytest.fixture
-def gc_on(monkeypatch):
-    """The collector on, and the pause opted in (SGLANG_RDT_PAUSE_GC=1)."""
-    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "1")
-    was = gc.isenabled()
-    gc.enable()
-    yield
-    for h in gc_pause.holders():
-        gc_pause.resume(h)
-    (gc.enable if was else gc.disable)()
-
-
-# --------------------------------------------------------------------------- #
-# The garbage-collector pause
-# --------------------------------------------------------------------------- #
-def test_gc_is_off_while_any_holder_holds_and_back_on_after_the_last(gc_on):
-    assert gc_pause.pause("rank weight update")
-    assert not gc.isenabled()
-    assert not gc_pause.pause("another holder")  # nested: already off
-    assert gc_pause.holders() == {"rank weight update", "another holder"}
-    assert not gc_pause.resume("rank weight update")
-    assert not gc.isenabled()  # the other holder still holds it
-    assert gc_pause.resume("another holder")
-    assert gc.isenabled() and gc_pause.holders() == set()
-
-
-def test_gc_pause_is_opt_in(gc_on, monkeypatch):
-    monkeypatch.delenv("SGLANG_RDT_PAUSE_GC")
-    assert not gc_pause.pause("rank weight update")
-    assert gc.isenabled() and gc_pause.holders() == set()
-
-
-def test_a_hold_past_its_bound_is_ended_by_the_timer(gc_on, monkeypatch):
-    """Nobody ends the hold (a rank left paused): the timer turns collection
-    back on after MAX_HOLD_S."""
-    monkeypatch.setattr(gc_pause, "MAX_HOLD_S", 0.05)
-    assert gc_pause.pause("rank weight update")
-    wait_until(gc.isenabled, 30, 0.01, "the timer to end the hold")
-    assert gc_pause.holders() == set()
-    assert gc_pause.pause("rank weight update")  # the next update pauses again
-    assert gc_pause.resume("rank weight update") and gc.isenabled()
-
-
-def test_gc_pause_leaves_a_collector_the_process_turned_off_alone(gc_on):
-    gc.disable()
-    assert not gc_pause.pause("rank weight update")
-    assert not gc.isenabled()
-    assert not gc_pause.resume("rank weight update")
-    assert not gc.isenabled()  # not ours to turn on
-
-
-def test_gc_pause_is_idempotent_per_holder_and_can_be_switched_off(gc_on, monkeypatch):
-    assert gc_pause.pause("x")
-    assert not gc_pause.pause("x")
-    assert gc_pause.held_for("x") >= 0.0 and gc_pause.held_for("y") == 0.0
-    assert gc_pause.resume("x")
-    assert not gc_pause.resume("x")  # nothing held
-    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "0")
-    assert not gc_pause.pause("y")
-    assert gc.isenabled() and gc_pause.holders() == set()
 
 
 class FakeSource:
@@ -124,43 +58,13 @@ def _receiver():
     return params, RdtWeightReceiver(lambda: params)
 
 
-def test_a_ranks_pull_turns_gc_off_until_the_update_ends_or_generation_continues(gc_on, monkeypatch):
-    params, recv = _receiver()
-    recv.pull([FakeSource((4, 4), 1.0)], ["w"])
-    assert torch.equal(params["w"], torch.ones(4, 4)) and not gc.isenabled()
-    assert gc_pause.holders() == {GC_HOLDER}
-    # An update ended inside a session: collection is back at once.
-    recv.end_of_update(resume_gc=True)
-    assert gc.isenabled()
-    # Paused between updates (miles' way): off until generation continues ...
-    recv.pull([FakeSource((4, 4), 2.0)], ["w"])
-    recv.end_of_update(resume_gc=False)
-    assert not gc.isenabled()
-    recv.release_gc()
-    assert gc.isenabled()
-    # ... or until it has been held longer than gc_pause.MAX_HOLD_S.
-    recv.pull([FakeSource((4, 4), 3.0)], ["w"])
-    monkeypatch.setattr(gc_pause, "MAX_HOLD_S", 0.0)
-    recv.end_of_update(resume_gc=False)
-    assert gc.isenabled()
-
-
-def test_a_broken_transfer_lets_the_collector_run_again(gc_on):
-    """The failed transfer's objects must be freed: gc is back on although the
-    update is not over; the rank's weights are inconsistent."""
+def test_a_broken_transfer_leaves_the_rank_inconsistent():
+    """Bytes may have landed: the rank's weights are inconsistent until a complete update ends."""
     params, recv = _receiver()
     with pytest.raises(WeightsInconsistentError, match="the sender went away mid-read"):
         recv.pull([FakeSource((4, 4), 5.0, fail=True)], ["w"])
-    assert gc.isenabled() and gc_pause.holders() == set()
+    assert torch.equal(params["w"], torch.full((4, 4), 5.0))
     assert recv.state.consistent is False
-
-
-def test_with_the_pause_switched_off_a_pull_leaves_the_collector_on(gc_on, monkeypatch):
-    monkeypatch.setenv("SGLANG_RDT_PAUSE_GC", "0")
-    params, recv = _receiver()
-    recv.pull([FakeSource((4, 4), 1.0)], ["w"])
-    assert torch.equal(params["w"], torch.ones(4, 4))
-    assert gc.isenabled() and gc_pause.holders() == set()
 
 
 # --------------------------------------------------------------------------- #
@@ -280,7 +184,7 @@ def test_the_route_is_kept_until_a_lane_breaks(trainer_on):
 # --------------------------------------------------------------------------- #
 # The receiver's warning about a slow NIXL pull
 # --------------------------------------------------------------------------- #
-def test_a_slow_large_nixl_pull_is_warned_about_once_with_the_fix(caplog, gc_on):
+def test_a_slow_large_nixl_pull_is_warned_about_once_with_the_fix(caplog):
     from sglang.srt.ray.rdt.engine import receiver as receiver_mod
 
     params = {"w": torch.zeros(4)}
@@ -318,12 +222,6 @@ class CoreRank:
         self.model = toy_model(0)
         self.sync = standalone_rank(self.model, transports=["NIXL", sglang_ipc.register()])
 
-    def set_env(self, key: str, value: str):
-        import os
-
-        os.environ[key] = value
-        return True
-
     def set_paused(self, paused: bool):
         self.sync.port.is_paused = paused
         if not paused:
@@ -339,38 +237,30 @@ class CoreRank:
     def finalize(self):
         return self.sync.finalize("v")
 
-    def gc_enabled(self) -> bool:
-        return gc.isenabled()
+    def params(self):
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
 
-def test_rank_core_keeps_gc_off_while_paused_between_updates_and_on_after_a_session(ray_client):
-    """Opted in (``SGLANG_RDT_PAUSE_GC=1``) and paused (miles' way), a
-    collection pending at an update's end would fire inside the next
-    update's first call: collection stays off until generation continues.
-    ``SGLANG_RDT_PAUSE_GC=0`` on the rank leaves the collector alone."""
+def test_rank_core_pulls_a_sglang_ipc_ref_under_a_pause_and_ends_the_update(ray_client):
+    """Paused (miles' way), the rank reads a SGLANG_IPC ref with process_vm_readv into its live parameters;
+    finalize ends the update; unpaused, a pull is refused with nothing written."""
     rank, trainer = CoreRank.remote(), ToyTrainer.remote("SGLANG_IPC")
     try:
         names = [n for n, _ in toy_model(1).named_parameters()]
         new = [p.detach().clone() for _, p in toy_model(1).named_parameters()]
-        ray_client.get(rank.set_env.remote("SGLANG_RDT_PAUSE_GC", "1"))
         ray_client.get(rank.set_paused.remote(True))
-        assert ray_client.get(rank.gc_enabled.remote())
         (ref,) = ray_client.get(trainer.put.remote(new))
         stats = ray_client.get(rank.pull.remote([ref], names), timeout=60)
         assert stats["transports"] == ["cma"] and stats["tensors"] == len(names)
-        assert not ray_client.get(rank.gc_enabled.remote())
-        ray_client.get(rank.finalize.remote(), timeout=60)
-        assert not ray_client.get(rank.gc_enabled.remote())  # still paused: still off
+        assert ray_client.get(rank.finalize.remote(), timeout=60)["success"]
+        got = ray_client.get(rank.params.remote())
+        assert all(torch.equal(got[n], t) for n, t in zip(names, new))
         ray_client.get(rank.set_paused.remote(False))
-        assert ray_client.get(rank.gc_enabled.remote())
-        # switched off on the rank: a pull under a pause leaves it on
-        ray_client.get(rank.set_env.remote("SGLANG_RDT_PAUSE_GC", "0"))
-        ray_client.get(rank.set_paused.remote(True))
-        (ref,) = ray_client.get(trainer.put.remote(new))
-        ray_client.get(rank.pull.remote([ref], names), timeout=60)
-        assert ray_client.get(rank.gc_enabled.remote())
-        ray_client.get(rank.finalize.remote(), timeout=60)
-        assert ray_client.get(rank.gc_enabled.remote())
+        (ref,) = ray_client.get(trainer.put.remote([t + 1 for t in new]))
+        with pytest.raises(Exception, match="generation is not paused"):
+            ray_client.get(rank.pull.remote([ref], names), timeout=60)
+        got = ray_client.get(rank.params.remote())
+        assert all(torch.equal(got[n], t) for n, t in zip(names, new))
     finally:
         ray_client.kill(rank)
         ray_client.kill(trainer)

@@ -258,8 +258,6 @@ def test_context_sets_rank_and_restores_on_exit_and_on_error(model_dirs):
 
 
 def test_context_serializes_threads():
-    entered = threading.Event()
-    release = threading.Event()
     seen = []
 
     def other():

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import wait_until
-from sglang.srt.ray.rdt.transport import cma, cuda_driver, cuda_ipc, same_node
+from sglang.srt.ray.rdt.transport import cma, cuda_driver, cuda_ipc
 from sglang.srt.ray.rdt.transport.cma import (
     CmaError,
     CmaPath,
@@ -38,7 +38,7 @@ from sglang.srt.ray.rdt.transport.cma import (
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, copy_rows
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader
 from sglang.srt.ray.rdt.transport.metadata import (
-    CmaPart, IpcPart, MappingFailed, SglangIpcTransportMetadata, Targets, addresses)
+    CmaPart, IpcPart, MappingFailed, Targets, addresses)
 
 MiB = 1 << 20
 
@@ -353,7 +353,8 @@ def _pool(*storages):
 
 
 def test_tensors_in_kept_memory_are_described_by_their_segments_with_a_handle_asked_once(fake_cuda, monkeypatch):
-    drv, frees = fake_cuda, Frees(monkeypatch)
+    drv = fake_cuda
+    Frees(monkeypatch)
     a, b = drv.alloc(4096), drv.alloc(8192)
     exporter = CudaIpcExporter("sender")
     exporter.add_source(1, _pool(a, b))
@@ -379,7 +380,8 @@ def test_tensors_in_kept_memory_are_described_by_their_segments_with_a_handle_as
 def test_a_tensor_outside_kept_memory_is_refused_by_index(fake_cuda, monkeypatch):
     """One rule: anything not kept is gathered into kept memory by the trainer;
     the exporter never describes it (nothing a rank would map per segment)."""
-    drv, frees = fake_cuda, Frees(monkeypatch)
+    drv = fake_cuda
+    Frees(monkeypatch)
     pool, loose = drv.alloc(8192), drv.alloc(4096)
     exporter = CudaIpcExporter("sender")
     exporter.add_source(1, _pool(pool))
@@ -394,7 +396,8 @@ def test_a_tensor_outside_kept_memory_is_refused_by_index(fake_cuda, monkeypatch
 
 
 def test_a_pool_that_grew_is_looked_at_again_and_a_withdrawn_one_is_not_kept(fake_cuda, monkeypatch):
-    drv, frees = fake_cuda, Frees(monkeypatch)
+    drv = fake_cuda
+    Frees(monkeypatch)
     first, second = drv.alloc(4096), drv.alloc(4096)
     segments = [first]
     source = lambda: [(s.data_ptr(), s.numel()) for s in segments]  # noqa: E731
@@ -435,7 +438,8 @@ def test_kept_memory_is_checked_again_after_the_device_freed_memory(fake_cuda, m
 
 def test_a_buffer_registered_with_nixl_is_kept_memory(fake_cuda, monkeypatch):
     """miles' bucket: registered once, put every round; a rank maps it once."""
-    drv, frees = fake_cuda, Frees(monkeypatch)
+    drv = fake_cuda
+    Frees(monkeypatch)
     seg = drv.alloc(8192)
     bucket = _view(seg, 1024, 4096)  # a block inside the allocator's segment
     exporter = CudaIpcExporter("sender")
@@ -549,15 +553,14 @@ def test_a_segment_that_cannot_be_mapped_fails_the_read_before_any_byte_moves(fa
     assert all(int(t.sum()) == 0 for t in targets.tensors)
 
 
-def test_map_kept_opens_every_segment_and_the_next_read_reuses_them(fake_cuda):
+def test_a_read_without_copy_maps_every_segment_and_the_next_read_reuses_them(fake_cuda):
     drv = fake_cuda
     pool, slots = drv.alloc(4096), drv.alloc(4096)
     tensors = [_view(pool, 0, 128), _view(slots, 0, 128)]
     part = _part(drv, [pool, slots], tensors)
     reader = CudaIpcReader()
-    assert reader.map_kept(part, GPU0) == 2
+    assert reader.read(part, _targets(tensors), GPU0, copy=False).opened == 2  # mapped, nothing copied
     assert sorted(drv.open) == sorted([pool.data_ptr(), slots.data_ptr()])
-    assert reader.read(part, _targets(tensors), GPU0, copy=False).opened == 0  # mapped, nothing copied
     assert ("copy", "batch") not in drv.events
     res = reader.read(part, _targets(tensors), GPU0)
     assert (res.opened, res.reused) == (0, 2) and drv.calls["ipc_close"] == 0

@@ -26,7 +26,6 @@ with it through a broadcast).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue

@@ -36,7 +36,6 @@ from sglang.srt.ray.rdt.engine.sources import LocalSource
 from sglang.srt.ray.rdt.engine.update_state import Writer
 from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.lane_wire import FRAME_TIMEOUT_S, ID_BYTES, SECRET_BYTES, recv_frame, send_frame
-from sglang.srt.ray.rdt.transport import same_node
 from sglang.srt.ray.rdt.transport.cma import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -252,8 +251,6 @@ class RankLane:
                 return self._pull(conn, op, kw)
             if op == "prepare":
                 return ("ok", self._pull(conn, op, kw))
-            if op == "map":  # the reader's own state only: no safe point needed
-                return ("ok", same_node.map_kept(kw["source"], self._rank.device))
             if op == "finalize":
                 # (the next update's walk runs once this answer has left: after_reply)
                 return ("ok", self._rank.finalize(kw.get("weight_version"), kw.get("flush_cache", True),

@@ -1,7 +1,7 @@
 """The rank core of RDT weight sync (:class:`RankWeightSync`), reaching the scheduler only through its port.
 
 Threads: the scheduler's loop thread runs every pull, begin, finalize and abort at its safe point; Ray's actor
-threads and the lane's threads only queue that work and wait (status and the lane's ``map`` run on them). A pull
+threads and the lane's threads only queue that work and wait (status runs on them). A pull
 is refused unless generation is paused and no batch is running. Locks, taken in this order: the receiver's, the
 update state's (never held while taking another), the same-node reader's.
 """
@@ -290,7 +290,7 @@ class RankWeightSync:
         else:
             self.lora.restore(self.state.written_names())
             self.state.abort(reason)  # (an update under a plain pause: this rank's alone)
-            self._update_ended()
+            self.receiver.end_of_update()
         return self.state.status()
 
     def writer_gone(self, writer, how: str) -> None:
@@ -323,12 +323,8 @@ class RankWeightSync:
                 logger.warning("[RDT] the prefix cache could not be flushed after the update; "
                                "call /flush_cache before generation continues")
         summary = self.state.end(**extra)
-        self._update_ended()
+        self.receiver.end_of_update()
         return summary
-
-    def _update_ended(self) -> None:
-        # Still paused for the next update: collection stays off until generation continues.
-        self.receiver.end_of_update(resume_gc=not self.port.paused())
 
     def on_weights_released(self) -> None:
         self.receiver.on_weights_released()
@@ -351,7 +347,7 @@ class RankWeightSync:
         if aborted is not None:
             self.lora.restore(self.state.written_names())
             self.state.abort(aborted)
-            self._update_ended()
+            self.receiver.end_of_update()
             self.prepare_next_pull()
             return None
         summary = self._end_update(flush=True)
@@ -366,7 +362,6 @@ class RankWeightSync:
             self.port.run_post_load()
         elif self.state.wrote_weights and self.state.interrupted(CONTINUED_MID_UPDATE):
             logger.error("[RDT] %s", CONTINUED_MID_UPDATE)
-        self.receiver.release_gc()
 
     def status(self) -> RankStatus:
         st = RankStatus(**self.state.status(), **self.receiver.status(),

@@ -12,7 +12,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from sglang.srt.ray.rdt import gc_pause
 from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S
 from sglang.srt.ray.rdt.engine.plan import PlanCache, group_names
 from sglang.srt.ray.rdt.engine.registration import (
@@ -27,7 +26,6 @@ from sglang.srt.ray.rdt.transport import nixl_threads, same_node
 
 logger = logging.getLogger(__name__)
 
-GC_HOLDER = "rank weight update"
 # A NIXL pull at least this large and slower than this fell back to TCP (no GPU path).
 SLOW_NIXL_MIN_BYTES = 64 << 20
 SLOW_NIXL_BPS = 2e9
@@ -110,14 +108,11 @@ class RdtWeightReceiver:
         with self._lock:
             self._closed = True
         same_node.release()
-        gc_pause.resume(GC_HOLDER)
 
-    def end_of_update(self, resume_gc: bool = True) -> None:
-        """The next pull walks again; ``resume_gc=False`` (still paused) keeps gc off until :meth:`release_gc`."""
+    def end_of_update(self) -> None:
+        """The next pull walks again."""
         with self._lock:
             self._plans.mark_stale()
-        if resume_gc or gc_pause.held_for(GC_HOLDER) > gc_pause.MAX_HOLD_S:
-            gc_pause.resume(GC_HOLDER)
 
     def needs_refresh(self) -> bool:
         return self._plans.stale
@@ -131,11 +126,6 @@ class RdtWeightReceiver:
             if walked:
                 self._registration.after_walk()
             return walked
-
-    @staticmethod
-    def release_gc() -> None:
-        """Generation continues: the collector may run again."""
-        gc_pause.resume(GC_HOLDER)
 
     def param_names(self) -> List[str]:
         return self._plans.param_names()
@@ -187,7 +177,6 @@ class RdtWeightReceiver:
             self._enter()
             t0 = time.perf_counter()
             plan, writes, reused = self._plan(sources, names, timeout_s, key)
-            gc_pause.pause(GC_HOLDER)  # admitted: no full collection inside the update
             t_plan = time.perf_counter() - t0
             reads = self._transfer(sources, plan, writes, timeout_s)
             t_fetch = time.perf_counter() - t0 - t_plan
@@ -222,8 +211,6 @@ class RdtWeightReceiver:
                       "may hold new bytes and others old ones")
             self.state.transfer_failed(names, reason)
             self._plans.forget()
-            # The failed transfer's objects (held by the traceback) must be collected.
-            gc_pause.resume(GC_HOLDER)
             logger.error("[RDT] %s: %s", reason, e)
             raise WeightsInconsistentError(
                 f"{reason}. The engine reports its weights as inconsistent until a complete "

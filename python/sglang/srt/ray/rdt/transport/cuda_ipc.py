@@ -324,19 +324,6 @@ class CudaIpcReader:
                 self._touch(opened, ordinal)
         return out
 
-    def map_kept(self, part: IpcPart, device) -> int:
-        """Map ``part``'s segments now (before a read needs them); returns how many opened."""
-        ordinal = device.index if device.index is not None else 0
-        res = ReadResult("cuda_ipc", 0, 0, 0.0)
-        with self.lock:
-            drv = cuda_driver.driver()
-            drv.push(ordinal)
-            try:
-                self._map(drv, part, ordinal, res, touch=True)
-            finally:
-                drv.pop()
-        return res.opened
-
     def _touch(self, mappings: List[Tuple[int, int]], ordinal: int) -> None:
         """Read newly mapped segments once, so that the first copy does not pay for touching them first."""
         kernel = self._kernel(ordinal)

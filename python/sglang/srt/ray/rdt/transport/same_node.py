@@ -153,13 +153,6 @@ def settle() -> None:
         _ipc_reader.settle()
 
 
-def map_kept(meta: SglangIpcTransportMetadata, device) -> int:
-    """Map ``meta``'s GPU segments now, before a read needs them; returns how many opened."""
-    if meta.ipc is None or unusable(meta, device) is not None:
-        return 0
-    return _parts()[1].map_kept(meta.ipc, device)
-
-
 def release(sender: Optional[str] = None, gone_only: bool = False) -> int:
     """Close ``sender``'s kept mappings (None: all; ``gone_only``: of exited processes); returns how many."""
     if _ipc_reader is None:

@@ -29,5 +29,4 @@ STREAM_GROUPS_PER_BUCKET = 2
 
 
 def bucket_bytes_for(device: str) -> int:
-    """The default bucket size for buckets on ``device``."""
     return GPU_BUCKET_BYTES if str(device).startswith("cuda") else CPU_BUCKET_BYTES

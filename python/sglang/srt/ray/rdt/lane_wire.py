@@ -32,8 +32,6 @@ def recv_frame(sock: socket.socket, timeout_s: Optional[float] = None) -> Option
     (n,) = FRAME.unpack(head)
     if n > MAX_FRAME:
         raise ConnectionError(f"a {n}-byte frame on the call lane (at most {MAX_FRAME})")
-    if not n:
-        return b""
     body = _recv_exact(sock, n, deadline)
     if body is None:
         raise ConnectionError("the call lane closed in the middle of a frame")

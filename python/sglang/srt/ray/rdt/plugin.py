@@ -5,7 +5,7 @@ resolve: ``--enable-rdt-weight-sync`` implies ``--enable-engine-info-bootstrap``
 
 from __future__ import annotations
 
-_registered = False
+import functools
 
 
 def rdt_implies_engine_info_bootstrap(server_args, previous) -> None:
@@ -18,12 +18,9 @@ def rdt_implies_engine_info_bootstrap(server_args, previous) -> None:
         declare_resolution(server_args, "--enable-rdt-weight-sync", enable_engine_info_bootstrap=True)
 
 
+@functools.cache
 def register() -> None:
-    """Register the hooks (idempotent; sglang calls it once per process)."""
-    global _registered
-    if _registered:
-        return
+    """Register the hooks (idempotent: cached; sglang calls it once per process)."""
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
     register_resolution_hook("handle_other_validations")(rdt_implies_engine_info_bootstrap)
-    _registered = True

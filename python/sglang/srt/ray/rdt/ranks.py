@@ -12,36 +12,24 @@ from sglang.srt.ray.rdt.errors import WeightSyncRankError, unwrap
 RANK_CALL_TIMEOUT_S = 300.0
 
 
-def gather(
-    calls: Sequence[Tuple[int, Any]],
-    phase: str,
-    timeout_s: float,
-    name_of: Callable[[int], Optional[str]] = lambda rank: None,
-) -> Dict[int, Any]:
+def gather(calls: Sequence[Tuple[int, Any]], phase: str, timeout_s: float,
+           name_of: Callable[[int], Optional[str]] = lambda rank: None) -> Dict[int, Any]:
     """Wait for ``[(rank, call)]`` (ObjectRefs, or lane calls with ``result(timeout_s)``) within ``timeout_s``;
     one :class:`WeightSyncRankError` naming every rank that failed or timed out."""
     import ray
 
     deadline = time.monotonic() + timeout_s
     refs = [ref for _, ref in calls if isinstance(ref, ray.ObjectRef)]
-    pending = set()
-    if refs:
-        _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        pending = set(not_ready)
+    pending = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[1]) if refs else set()
     results, failures = {}, []
     for rank, ref in calls:
-        if not isinstance(ref, ray.ObjectRef):
-            try:
-                results[rank] = ref.result(max(0.0, deadline - time.monotonic()))
-            except Exception as e:
-                failures.append((rank, unwrap(e)))
-            continue
-        if ref in pending:
-            failures.append((rank, TimeoutError(
-                f"no answer within {timeout_s:.0f} s (is its scheduler stuck?)")))
-            continue
         try:
-            results[rank] = ray.get(ref)
+            if not isinstance(ref, ray.ObjectRef):
+                results[rank] = ref.result(max(0.0, deadline - time.monotonic()))
+            elif ref in pending:
+                failures.append((rank, TimeoutError(f"no answer within {timeout_s:.0f} s (is its scheduler stuck?)")))
+            else:
+                results[rank] = ray.get(ref)
         except Exception as e:
             failures.append((rank, unwrap(e)))
     if failures:
@@ -72,9 +60,8 @@ def unfinished(calls: Sequence[Tuple[int, Any]]) -> List[Any]:
     return out + [c for _, c in calls if not isinstance(c, ray.ObjectRef) and not c.finished()]
 
 
-async def call_ranks_async(
-    actors: Sequence[Any], method: str, *args, timeout_s: float = RANK_CALL_TIMEOUT_S
-) -> List[Any]:
+async def call_ranks_async(actors: Sequence[Any], method: str, *args,
+                           timeout_s: float = RANK_CALL_TIMEOUT_S) -> List[Any]:
     """``actor.method(*args)`` on every actor, awaited on a worker thread; results in the actors' order."""
     if not actors:
         raise WeightSyncRankError(0, None, method, RuntimeError("no scheduler actors"), [])

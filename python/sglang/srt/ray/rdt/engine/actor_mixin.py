@@ -20,10 +20,8 @@ from sglang.srt.ray.rdt.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
-MEMORY_SAVER_REASON = (
-    "--enable-memory-saver: parameter storage is released and re-mapped, "
-    "so it cannot stay registered; pulls register per call instead"
-)
+MEMORY_SAVER_REASON = ("--enable-memory-saver: parameter storage is released and re-mapped, so it cannot stay "
+                       "registered; pulls register per call instead")
 
 
 class RankActorApi:
@@ -42,8 +40,7 @@ class RankActorApi:
         Returns ``{"registered": bool, ...}``; under ``--enable-memory-saver`` nothing is, and ``reason`` says why."""
         return self._sync().receiver.register()
 
-    def pull_weights(self, weights_refs: Sequence[Any], param_names,
-                     timeout: Optional[float] = None) -> Dict[str, Any]:
+    def pull_weights(self, weights_refs: Sequence[Any], param_names, timeout: Optional[float] = None) -> Dict[str, Any]:
         """Fetch RDT refs straight into this rank's live parameters.
 
         Args:
@@ -65,8 +62,7 @@ class RankActorApi:
         """Open sglang's weight-update session on this rank's group (``POST /begin_weight_update``)."""
         return self._sync().begin()
 
-    def finalize_weight_update(self, weight_version: Optional[str] = None,
-                               flush_cache: bool = True) -> Dict[str, Any]:
+    def finalize_weight_update(self, weight_version: Optional[str] = None, flush_cache: bool = True) -> Dict[str, Any]:
         """End the update: ``/update_weight_version`` + ``/end_weight_update`` + a prefix-cache flush (without
         an open session, the model's post-load runs here). Call it once, after every rank's pulls returned.
         Raises ``WeightSyncError`` when the update was not clean (a broken transfer, two writers of a parameter)."""
@@ -91,10 +87,7 @@ class RankActorApi:
         """Consistency, the update in progress, registration, counters, reach."""
         if self._rdt_sync is None:
             return {"enabled": False}
-        return {**self._rdt_sync.status().as_dict(), **self._status_extra()}
-
-    def _status_extra(self) -> Dict[str, Any]:
-        return {}
+        return self._rdt_sync.status().as_dict()
 
     def get_weight_sync_stats(self) -> Dict[str, Any]:
         """This rank's figures: ``last_update`` (its log line's), ``updates``, ``failures`` by kind, pull counters."""
@@ -128,11 +121,8 @@ class RdtWeightSyncMixin(RankActorApi):
     """SchedulerActor wiring: safe-point queue, weight listeners, metrics, same-node transport, orphan watch."""
 
     def _init_weight_sync(self, server_args) -> None:
-        from sglang.srt.managers.scheduler_safe_point import (
-            SafePointQueue,
-            attach_safe_point_queue,
-            wake_idle_sleeper_on_tasks,
-        )
+        from sglang.srt.managers.scheduler_safe_point import (SafePointQueue, attach_safe_point_queue,
+                                                              wake_idle_sleeper_on_tasks)
         from sglang.srt.managers.weight_listeners import add_weight_listener
         from sglang.srt.ray.lifecycle import watch_owner_job
         from sglang.srt.ray.rdt.engine.scheduler_port import SglangSchedulerPort
@@ -143,23 +133,21 @@ class RdtWeightSyncMixin(RankActorApi):
         self._rdt_gpu_id, self._rdt_device = device.gpu_id, device.device
         safe_point = SafePointQueue()
         attach_safe_point_queue(self.scheduler, safe_point)  # run by the scheduler's loop
-        self._rdt_idle_sleep = "off"
+        idle_sleep = "off"
         if getattr(self.scheduler, "idle_sleeper", None) is not None:
             # --sleep-on-idle: a queued call wakes the loop at once, not after its poll timeout (up to 1 s).
             woken = wake_idle_sleeper_on_tasks(self.scheduler, safe_point)
-            self._rdt_idle_sleep = ("wakes on weight-sync calls" if woken
-                                    else "weight-sync calls wait for its timeout")
+            idle_sleep = "wakes on weight-sync calls" if woken else "weight-sync calls wait for its timeout"
         watch_owner_job(self._exit_orphaned)
         labels = self._rank_labels()
         self._rdt_sync = RankWeightSync(
             SglangSchedulerPort(self.scheduler), safe_point,
             rank=f"dp{labels['dp_rank']}/pp{labels['pp_rank']}/tp{labels['tp_rank']}",
             device=torch.device("cuda", device.gpu_id) if device.device == "cuda" else None,
-            pull_timeout_s=float(getattr(server_args, "rdt_pull_timeout", PULL_TIMEOUT_S)),
+            pull_timeout_s=float(getattr(server_args, "rdt_pull_timeout", PULL_TIMEOUT_S)), transports=[NIXL],
             registration_disabled_reason=(
-                MEMORY_SAVER_REASON if getattr(server_args, "enable_memory_saver", False) else None),
-            transports=[NIXL],
-        )
+                MEMORY_SAVER_REASON if getattr(server_args, "enable_memory_saver", False) else None))
+        self._rdt_sync.idle_sleep = idle_sleep
         self._rdt_sync.group = self._group_calls(safe_point)
         self._rdt_rank_label = labels
         rdt_metrics.configure(bool(getattr(server_args, "enable_metrics", False)), labels)
@@ -172,8 +160,7 @@ class RdtWeightSyncMixin(RankActorApi):
 
     def _group_calls(self, safe_point):
         """Group calls over this rank's TP/PP group (None: a group of one)."""
-        from sglang.srt.managers.scheduler_group_calls import (GroupCalls, attach_group_calls,
-                                                               gather_over)
+        from sglang.srt.managers.scheduler_group_calls import GroupCalls, attach_group_calls, gather_over
         from sglang.srt.runtime_context import get_parallel
 
         par = get_parallel()
@@ -184,9 +171,6 @@ class RdtWeightSyncMixin(RankActorApi):
                            loop_state=lambda: safe_point.state, label=self._rdt_sync.state.rank)
         attach_group_calls(self.scheduler, calls)
         return calls
-
-    def _status_extra(self) -> Dict[str, Any]:
-        return {"idle_sleep": self._rdt_idle_sleep}
 
     def _rank_labels(self) -> Dict[str, str]:
         cfg = self.get_parallelism_config()
@@ -216,5 +200,4 @@ class RdtWeightSyncMixin(RankActorApi):
 
         ctx = ray.get_runtime_context()
         return {"placement_group_id": ctx.get_placement_group_id(), "node_id": ctx.get_node_id(),
-                "namespace": ctx.namespace, "job_id": ctx.get_job_id(),
-                "actor_name": ctx.get_actor_name()}
+                "namespace": ctx.namespace, "job_id": ctx.get_job_id(), "actor_name": ctx.get_actor_name()}

@@ -20,26 +20,16 @@ class RdtEngineMixin:
         return list(self._scheduler_init_result.scheduler_actors)
 
     def _weight_sync_session(self) -> WeightSyncSession:
-        session = getattr(self, "_rdt_session", None)
-        if session is None:
-            session = WeightSyncSession(self.tokenizer_manager, self.get_scheduler_actors)
-            self._rdt_session = session
-        return session
+        if getattr(self, "_rdt_session", None) is None:
+            self._rdt_session = WeightSyncSession(self.tokenizer_manager, self.get_scheduler_actors)
+        return self._rdt_session
 
-    def begin_weight_sync(
-        self, lease_s: float = SESSION_LEASE_S,
-        drain_timeout_s: float = SESSION_DRAIN_TIMEOUT_S,
-    ) -> Dict[str, Any]:
-        return self.loop.run_until_complete(
-            self._weight_sync_session().begin(lease_s, drain_timeout_s)
-        )
+    def begin_weight_sync(self, lease_s: float = SESSION_LEASE_S,
+                          drain_timeout_s: float = SESSION_DRAIN_TIMEOUT_S) -> Dict[str, Any]:
+        return self.loop.run_until_complete(self._weight_sync_session().begin(lease_s, drain_timeout_s))
 
-    def end_weight_sync(
-        self, weight_version: Optional[str] = None, flush_cache: bool = True
-    ) -> Dict[str, Any]:
-        return self.loop.run_until_complete(
-            self._weight_sync_session().end(weight_version, flush_cache)
-        )
+    def end_weight_sync(self, weight_version: Optional[str] = None, flush_cache: bool = True) -> Dict[str, Any]:
+        return self.loop.run_until_complete(self._weight_sync_session().end(weight_version, flush_cache))
 
     def abort_weight_sync(self, reason: str = "update aborted by the trainer") -> Dict[str, Any]:
         return self.loop.run_until_complete(self._weight_sync_session().abort(reason))

@@ -41,8 +41,7 @@ def engine_view(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
 async def full_status(session: WeightSyncSession) -> Dict[str, Any]:
     status = session.status()
     try:
-        ranks = await call_ranks_async(session.get_actors(), "get_weight_sync_status",
-                                       timeout_s=STATUS_RANK_TIMEOUT_S)
+        ranks = await call_ranks_async(session.get_actors(), "get_weight_sync_status", timeout_s=STATUS_RANK_TIMEOUT_S)
     except Exception as e:
         status.update(weights_consistent=False,
                       inconsistent_reason=f"the ranks' status could not be read: {e}", ranks=None)
@@ -57,20 +56,16 @@ async def rank_directory(actors: List[Any]) -> Dict[str, Any]:
     configs = await call_ranks_async(actors, "get_parallelism_config", timeout_s=STATUS_RANK_TIMEOUT_S)
     first = configs[0] if configs else {}
     return {"namespace": placements[0]["namespace"] if placements else None,
-            "dp_size": first.get("dp_size") or 1, "tp_size": first.get("tp_size") or 1,
-            "pp_size": first.get("pp_size") or 1,
-            "ranks": [{"rank": i, "actor_name": p["actor_name"], "namespace": p["namespace"],
-                       "node_id": p["node_id"], "parallelism": c}
-                      for i, (p, c) in enumerate(zip(placements, configs))]}
+            **{k: first.get(k) or 1 for k in ("dp_size", "tp_size", "pp_size")},
+            "ranks": [{"rank": i, "actor_name": p["actor_name"], "namespace": p["namespace"], "node_id": p["node_id"],
+                       "parallelism": c} for i, (p, c) in enumerate(zip(placements, configs))]}
 
 
 def install_weight_sync_routes(app, server_args, launched) -> WeightSyncSession:
     from sglang.srt.entrypoints.server_info_extras import register_server_info_provider
-    from sglang.srt.model_executor.parallelism_config import (current_store,
-                                                              install_parallelism_config_read_route)
+    from sglang.srt.model_executor.parallelism_config import current_store, install_parallelism_config_read_route
 
-    session = WeightSyncSession(launched.tokenizer_manager,
-                                lambda: launched.scheduler_init_result.scheduler_actors)
+    session = WeightSyncSession(launched.tokenizer_manager, lambda: launched.scheduler_init_result.scheduler_actors)
     install_parallelism_config_read_route(app, current_store)
     register_server_info_provider("weight_sync", lambda: full_status(session))
 
@@ -102,8 +97,7 @@ def install_weight_sync_routes(app, server_args, launched) -> WeightSyncSession:
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def weight_sync_abort(request: Request, body: Optional[Dict[str, Any]] = Body(None)):
         body = body or {}
-        return await call(session.abort(body.get("reason", "update aborted by the trainer"),
-                                        body.get("session_id")))
+        return await call(session.abort(body.get("reason", "update aborted by the trainer"), body.get("session_id")))
 
     @app.post("/register_lora_adapter")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)

@@ -15,6 +15,7 @@ that asked is the writer of every pull on its connection.
 
 from __future__ import annotations
 
+import atexit
 import hmac
 import logging
 import os
@@ -58,15 +59,13 @@ def remove_dead_lanes(base: str) -> int:
     for path in glob.glob(os.path.join(base, DIR_PREFIX + "*")):
         try:
             pid = int(os.path.basename(path)[len(DIR_PREFIX):].split("-", 1)[0])
-            if os.stat(path).st_uid != os.getuid():
-                continue
-            if not pid_alive(pid):  # (an exited process not yet reaped counts as gone)
-                raise ProcessLookupError(pid)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-            n += 1
+            # (an exited process not yet reaped counts as gone)
+            if os.stat(path).st_uid != os.getuid() or pid_alive(pid):
+                continue  # not ours, or the process lives
         except (ValueError, OSError):
-            continue  # not ours, or the process lives (or we may not tell)
+            continue  # not ours, or we may not tell
+        shutil.rmtree(path, ignore_errors=True)
+        n += 1
     return n
 
 
@@ -118,8 +117,6 @@ class RankLane:
         return {"address": self._address, "secret": self._secret, "pid": os.getpid()}
 
     def _start(self) -> None:
-        import atexit
-
         base = tempfile.gettempdir()
         if len(base) > 60:  # a Unix socket path must stay under ~107 bytes
             base = "/tmp"
@@ -131,14 +128,12 @@ class RankLane:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self._address)
         listener.listen(16)
-        self._thread = threading.Thread(target=self._serve, args=(listener,), name="rdt-lane",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(listener,), name="rdt-lane", daemon=True)
         self._thread.start()
 
     def status(self) -> Dict[str, Any]:
         with self._lock:
-            return {"open": (self._thread is not None and self._thread.is_alive()
-                             and not self._stop.is_set()),
+            return {"open": self._thread is not None and self._thread.is_alive() and not self._stop.is_set(),
                     "senders": len(self._senders), "calls": self.calls}
 
     def close(self) -> None:
@@ -241,8 +236,7 @@ class RankLane:
                 with self._lock:
                     pid = self._senders.get(sender)
                 if pid is None:
-                    return ("error", "this trainer process did not open the lane "
-                                     "(open_weight_sync_lane)")
+                    return ("error", "this trainer process did not open the lane (open_weight_sync_lane)")
                 conn.writer = Writer(f"process:{sender}", f"trainer process {pid} (same-node lane)")
                 return ("ok", {"pid": os.getpid()})
             if conn.writer is None:

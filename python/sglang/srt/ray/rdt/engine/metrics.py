@@ -44,10 +44,7 @@ def metric_factories(backend: str) -> Tuple[Callable[..., Any], Callable[..., An
 
         return Counter, Histogram
     if backend == "ray":
-        from sglang.srt.observability.ray_wrappers import (
-            RayCounterWrapper,
-            RayHistogramWrapper,
-        )
+        from sglang.srt.observability.ray_wrappers import RayCounterWrapper, RayHistogramWrapper
 
         return RayCounterWrapper, RayHistogramWrapper
     raise ValueError(f"unknown metrics backend {backend!r}; use 'prometheus' or 'ray'")
@@ -56,8 +53,7 @@ def metric_factories(backend: str) -> Tuple[Callable[..., Any], Callable[..., An
 class RdtMetrics:
     """The metric set of one process; ``counter``/``histogram`` default to :func:`default_backend`'s."""
 
-    def __init__(self, labels: Optional[Mapping[str, Any]] = None, *,
-                 counter: Optional[Callable[..., Any]] = None,
+    def __init__(self, labels: Optional[Mapping[str, Any]] = None, *, counter: Optional[Callable[..., Any]] = None,
                  histogram: Optional[Callable[..., Any]] = None):
         if counter is None or histogram is None:
             self.backend = default_backend()
@@ -75,8 +71,7 @@ class RdtMetrics:
 
         self.pulls = c("sglang:rdt_weight_pulls", "RDT weight pulls that completed")
         self.pull_bytes = c("sglang:rdt_weight_pull_bytes", "Bytes written into live parameters by RDT pulls")
-        self.pull_tensors = c("sglang:rdt_weight_pull_tensors",
-                              "Tensors written into live parameters by RDT pulls")
+        self.pull_tensors = c("sglang:rdt_weight_pull_tensors", "Tensors written into live parameters by RDT pulls")
         self.pull_seconds = h("sglang:rdt_weight_pull_seconds", "Seconds per RDT pull (plan + transfer)")
         self.updates = c("sglang:rdt_weight_updates", "RDT weight updates finalized")
         self.update_seconds = h("sglang:rdt_weight_update_seconds",
@@ -97,17 +92,14 @@ class RdtMetrics:
         self._l(self.update_seconds).observe(float(seconds))
 
     def record_failure(self, kind: str) -> None:
-        if kind not in FAILURE_KINDS:
-            kind = "other"
-        self._l(self.failures, kind=kind).inc(1)
+        self._l(self.failures, kind=kind if kind in FAILURE_KINDS else "other").inc(1)
 
 
 _lock = threading.Lock()  # guards the process-wide metrics instance
 _metrics: Optional[RdtMetrics] = None
 
 
-def configure(enabled: bool, labels: Optional[Mapping[str, Any]] = None,
-              **factories) -> Optional[RdtMetrics]:
+def configure(enabled: bool, labels: Optional[Mapping[str, Any]] = None, **factories) -> Optional[RdtMetrics]:
     """Turn this process's metrics on or off (``labels`` on every sample); failing to create them leaves them off."""
     global _metrics
     with _lock:
@@ -116,8 +108,7 @@ def configure(enabled: bool, labels: Optional[Mapping[str, Any]] = None,
             return None
         try:
             _metrics = RdtMetrics(labels, **factories)
-            logger.info("[RDT] weight-sync metrics on (%s backend, labels %s)",
-                        _metrics.backend, dict(labels or {}))
+            logger.info("[RDT] weight-sync metrics on (%s backend, labels %s)", _metrics.backend, dict(labels or {}))
         except Exception as e:
             logger.warning("[RDT] weight-sync metrics disabled: %s: %s", type(e).__name__, e)
             _metrics = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import abc
+from itertools import accumulate
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -43,8 +44,7 @@ def group_names(param_names: NamesArg, counts: Sequence[int]) -> List[List[str]]
         raise WeightSyncError(
             f"param_names must be a list of names (or one list per ref), got {type(param_names).__name__}")
     total = sum(counts)
-    if param_names and all(isinstance(n, abc.Sequence) and not isinstance(n, (str, bytes))
-                           for n in param_names):
+    if param_names and all(isinstance(n, abc.Sequence) and not isinstance(n, (str, bytes)) for n in param_names):
         groups = [list(g) for g in param_names]
         if len(groups) != len(counts):
             raise WeightSyncError(f"got {len(groups)} name lists for {len(counts)} refs; give one list "
@@ -61,10 +61,7 @@ def group_names(param_names: NamesArg, counts: Sequence[int]) -> List[List[str]]
             raise WeightSyncError(f"too {'many' if len(flat) > total else 'few'} names: the refs hold "
                                   f"{total} tensors ({'+'.join(map(str, counts))}) but {len(flat)} names "
                                   f"were given ({detail})")
-        groups, start = [], 0
-        for c in counts:
-            groups.append(flat[start : start + c])
-            start += c
+        groups = [flat[end - c : end] for c, end in zip(counts, accumulate(counts))]
     for g in groups:
         for n in g:
             if not isinstance(n, str):
@@ -89,8 +86,7 @@ def plan_pull(specs_per_ref: Sequence[Sequence[TensorSpec]], names_per_ref: Sequ
         for pos, (spec, name) in enumerate(zip(specs, names)):
             if name in seen:
                 raise WeightSyncError(f"duplicate parameter {name!r} ({_where(*seen[name])} and "
-                                      f"{_where(ref_idx, pos)}); "
-                                      "each parameter may be pulled once per call")
+                                      f"{_where(ref_idx, pos)}); each parameter may be pulled once per call")
             seen[name] = (ref_idx, pos)
             param = params.get(name)
             if param is None:
@@ -107,9 +103,8 @@ def plan_pull(specs_per_ref: Sequence[Sequence[TensorSpec]], names_per_ref: Sequ
                                       f"{actual.describe()}; send tensors in the rollout layout (dtype and "
                                       "TP shard of this rank)")
             if not target.is_contiguous():
-                raise WeightSyncError(f"parameter {name!r} is not contiguous in the rollout model "
-                                      f"(strides {list(target.stride())}); RDT can only write into "
-                                      "contiguous storage")
+                raise WeightSyncError(f"parameter {name!r} is not contiguous in the rollout model (strides "
+                                      f"{list(target.stride())}); RDT can only write into contiguous storage")
             out.append(target)
         targets.append(out)
     return targets
@@ -141,8 +136,7 @@ class CachedPlan:
 
     __slots__ = ("targets", "nbytes", "count", "_params", "_ptrs", "_specs")
 
-    def __init__(self, targets: List[List[torch.Tensor]], params: Sequence[torch.Tensor],
-                 specs: Sequence[TensorSpec]):
+    def __init__(self, targets: List[List[torch.Tensor]], params: Sequence[torch.Tensor], specs: Sequence[TensorSpec]):
         from sglang.srt.ray.rdt.transport.metadata import Targets
 
         self.targets = [Targets.of(ts) for ts in targets]
@@ -179,12 +173,9 @@ class PlanCache:
 
     def forget(self) -> None:
         """Walk the model again at the next pull and plan every layout anew."""
-        with self._lock:
-            self.params = None
-            self._stale = False
-            self._plans.clear()
+        self.restart(None)
 
-    def restart(self, params: Mapping[str, torch.Tensor]) -> None:
+    def restart(self, params: Optional[Mapping[str, torch.Tensor]]) -> None:
         """Plan anew against ``params``, a walk made just now (the next pull does not walk again)."""
         with self._lock:
             self.params = params
@@ -233,11 +224,9 @@ class PlanCache:
                 return plan, walked, True
             if self.params is None:
                 self.params, walked = self._get_params(), True
-            return self._add(key, plan_pull(specs, names, self.params), names, specs), walked, False
-
-    def _add(self, key, targets, names, specs) -> CachedPlan:
-        if len(self._plans) >= MAX_CACHED_PLANS:
-            self._plans.clear()
-        plan = self._plans[key] = CachedPlan(targets, [self.params[n] for ns in names for n in ns],
-                                             [sp for ss in specs for sp in ss])
-        return plan
+            targets = plan_pull(specs, names, self.params)
+            if len(self._plans) >= MAX_CACHED_PLANS:
+                self._plans.clear()
+            plan = self._plans[key] = CachedPlan(targets, [self.params[n] for ns in names for n in ns],
+                                                 [sp for ss in specs for sp in ss])
+            return plan, walked, False

@@ -28,31 +28,25 @@ from sglang.srt.ray.rdt.transport import same_node
 logger = logging.getLogger(__name__)
 
 NOT_PAUSED = "generation is not paused"
-NOT_PAUSED_IN_SESSION = (
-    "a weight-update session is open but generation is not paused, so requests would be "
-    "answered between pulls from a partly written model")
+NOT_PAUSED_IN_SESSION = ("a weight-update session is open but generation is not paused, so requests would be "
+                         "answered between pulls from a partly written model")
 _NOT_PAUSED_YET = object()
 
 NOT_QUIESCED = (
-    "refusing to pull weights while generation may run on this rank: {why}. "
-    "Pause generation first — POST /pause_generation (mode abort, retract or "
-    "in_place), then POST /begin_weight_update; POST /weight_sync/begin, "
-    "RayEngine.begin_weight_sync() and WeightSyncClient.update() drain in-flight "
-    "requests and pause instead — and end the update with "
-    "POST /end_weight_update and /continue_generation."
+    "refusing to pull weights while generation may run on this rank: {why}. Pause generation first — "
+    "POST /pause_generation (mode abort, retract or in_place), then POST /begin_weight_update; "
+    "POST /weight_sync/begin, RayEngine.begin_weight_sync() and WeightSyncClient.update() drain in-flight "
+    "requests and pause instead — and end the update with POST /end_weight_update and /continue_generation."
 )
-CONTINUED_MID_UPDATE = (
-    "generation continued while an update that had written weights was still open: requests "
-    "may have been answered from a partly written model until the update ends")
+CONTINUED_MID_UPDATE = ("generation continued while an update that had written weights was still open: requests "
+                        "may have been answered from a partly written model until the update ends")
 
 
 def failure_kind(exc: BaseException) -> Optional[str]:
     """The failure ``kind`` of a failed pull the update state has not counted itself."""
     if isinstance(exc, (WeightsInconsistentError, WeightUpdateConflictError)):
         return None
-    if isinstance(exc, WeightSyncError):
-        return "rejected"
-    return "other"
+    return "rejected" if isinstance(exc, WeightSyncError) else "other"
 
 
 class RankWeightSync:
@@ -67,13 +61,12 @@ class RankWeightSync:
         self.state = RankUpdateState(param_names=lambda: [n for n in self.receiver.param_names() if ":" not in n],
                                      rank=rank, weight_version=port.weight_version)
         self.lora = RankLoRA(port)
-        self.receiver = RdtWeightReceiver(
-            lambda: dict(self._params()), device=device, pull_timeout_s=pull_timeout_s,
-            registration_disabled_reason=registration_disabled_reason, state=self.state,
-        )
+        self.receiver = RdtWeightReceiver(lambda: dict(self._params()), device=device, pull_timeout_s=pull_timeout_s,
+                                          registration_disabled_reason=registration_disabled_reason, state=self.state)
         self.lane = None  # a RankLane once a trainer on this node opened one
         self._lane_lock = threading.Lock()  # guards making the lane (once)
         self._refresh_posted = False  # prepare_next_pull's walk is queued
+        self.idle_sleep = "off"  # how the loop's --sleep-on-idle wait meets queued calls (the actor says)
         # GroupCalls of a TP/PP group (managers/scheduler_group_calls.py); None: a group of one rank.
         self.group = None
 
@@ -92,10 +85,7 @@ class RankWeightSync:
                 from sglang.srt.ray.rdt.engine.local_lane import RankLane
 
                 self.lane = RankLane(self, after_reply=self.prepare_next_pull)
-        out = self.lane.open(sender, pid)
-        out["node_id"] = same_node.node_id()
-        out["fence"] = same_node.fence(self.device)
-        return out
+        return {**self.lane.open(sender, pid), "node_id": same_node.node_id(), "fence": same_node.fence(self.device)}
 
     def _probe_read(self, probe) -> Optional[str]:
         device = self.device if self.device is not None else torch.device("cpu")
@@ -175,8 +165,7 @@ class RankWeightSync:
                 same_node.settle()
             except Exception as e:  # the GPU failed the copy: whatever landed is not whole
                 flat = [n for ns in names for n in (ns if isinstance(ns, (list, tuple)) else [ns])]
-                reason = f"a copy into {len(flat)} parameters failed after its pull returned " \
-                         f"({type(e).__name__}: {e})"
+                reason = f"a copy into {len(flat)} parameters failed after its pull returned ({type(e).__name__}: {e})"
                 logger.error("[RDT] %s", reason)
                 self.state.transfer_failed(flat, reason)
 
@@ -210,9 +199,8 @@ class RankWeightSync:
         if self.group is None:
             return self.on_scheduler(lambda: self.group_op(op, args))
         if not self.group.entry:
-            raise WeightSyncError(
-                f"{op} acts on every rank of a tensor/pipeline-parallel group at once: call it on "
-                f"the group's first rank (tp_rank 0, pp_rank 0), not on rank {self.state.rank}")
+            raise WeightSyncError(f"{op} acts on every rank of a tensor/pipeline-parallel group at once: call it on "
+                                  f"the group's first rank (tp_rank 0, pp_rank 0), not on rank {self.state.rank}")
         from sglang.srt.managers.scheduler_group_calls import GroupCallError
 
         try:
@@ -250,7 +238,7 @@ class RankWeightSync:
         """End the update: version, flush, state, post-load. ``walk_after=False``: the caller runs
         :meth:`prepare_next_pull` once its answer left (the lane does)."""
         try:
-            out = self.on_group("finalize", weight_version, flush_cache)
+            return self.on_group("finalize", weight_version, flush_cache)
         except WeightSyncError:
             raise
         except BaseException:
@@ -259,7 +247,6 @@ class RankWeightSync:
         finally:
             if walk_after:
                 self.prepare_next_pull()
-        return out
 
     def _finalize_here(self, weight_version: Optional[str], flush_cache: bool) -> Dict[str, Any]:
         in_session = self.port.session_open()
@@ -273,8 +260,7 @@ class RankWeightSync:
         # sglang's own end (post-load); its listener finds the update ended already.
         problem = self.port.end_session() if in_session else self.port.run_post_load()
         if not summary["consistent"] or problem:
-            raise WeightSyncError(f"the update ended inconsistent: "
-                                  f"{summary.get('inconsistent_reason') or problem}")
+            raise WeightSyncError(f"the update ended inconsistent: {summary.get('inconsistent_reason') or problem}")
         return {"success": True, "flushed_cache": bool(summary.get("flushed_cache")),
                 "weight_version": self.port.weight_version(), "update": summary}
 
@@ -303,8 +289,7 @@ class RankWeightSync:
         logger.error("[RDT] %s; weights inconsistent until a complete update ends", reason)
         if kind == "paused":  # (no session: no collective, this rank's update alone)
             try:
-                self.on_scheduler(lambda: self._abort_here(reason) if not self.port.session_open()
-                                  else None)
+                self.on_scheduler(lambda: self._abort_here(reason) if not self.port.session_open() else None)
             except Exception as e:  # e.g. the loop is gone: the state says it already
                 logger.warning("[RDT] aborting the update after its writer left failed: %s", e)
 
@@ -364,13 +349,10 @@ class RankWeightSync:
             logger.error("[RDT] %s", CONTINUED_MID_UPDATE)
 
     def status(self) -> RankStatus:
-        st = RankStatus(**self.state.status(), **self.receiver.status(),
-                        transports=list(self.transports),
+        st = RankStatus(**self.state.status(), **self.receiver.status(), transports=list(self.transports),
                         lane=self.lane.status() if self.lane is not None else {"open": False},
-                        kept_mappings=same_node.stats(),
-                        event_loop=self.safe_point.state,
-                        group_entry=self.group is None or self.group.entry,
-                        lora_adapters=self.lora.status())
+                        kept_mappings=same_node.stats(), event_loop=self.safe_point.state, idle_sleep=self.idle_sleep,
+                        group_entry=self.group is None or self.group.entry, lora_adapters=self.lora.status())
         if "SGLANG_IPC" in self.transports:
             try:
                 from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
@@ -384,13 +366,10 @@ class RankWeightSync:
 
     def stats(self) -> Dict[str, Any]:
         st = self.state.status()
-        return {
-            "updates": st["updates"], "failed_updates": st["failed_updates"],
-            "failures": st["failures"], "last_update": st["last_update"],
-            "update_in_progress": st["update_in_progress"], "weight_version": st["weight_version"],
-            "pulls": {k: st[k] for k in ("pulls", "failed_pulls", "tensors", "bytes", "seconds")},
-            "last_pull": st["last_pull"],
-        }
+        keys = ("updates", "failed_updates", "failures", "last_update", "update_in_progress", "weight_version")
+        return {**{k: st[k] for k in keys},
+                "pulls": {k: st[k] for k in ("pulls", "failed_pulls", "tensors", "bytes", "seconds")},
+                "last_pull": st["last_pull"]}
 
     def parameter_layout(self) -> Dict[str, Dict[str, Any]]:
         return parameter_layout(self._params())

@@ -14,11 +14,7 @@ import torch
 
 from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S
 from sglang.srt.ray.rdt.engine.plan import PlanCache, group_names
-from sglang.srt.ray.rdt.engine.registration import (
-    ParameterRegistration,
-    RegistrationBook,
-    warn_if_expandable_segments,
-)
+from sglang.srt.ray.rdt.engine.registration import ParameterRegistration, RegistrationBook, warn_if_expandable_segments
 from sglang.srt.ray.rdt.engine.sources import NotReadable, RefSource
 from sglang.srt.ray.rdt.engine.update_state import RankUpdateState
 from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
@@ -30,11 +26,10 @@ logger = logging.getLogger(__name__)
 SLOW_NIXL_MIN_BYTES = 64 << 20
 SLOW_NIXL_BPS = 2e9
 SLOW_NIXL = (
-    "[RDT] a NIXL pull of %.1f MiB ran at %.2f GB/s: UCX found no GPU path and fell back to "
-    "TCP. Causes seen: trainer and rank on the same GPU (use transport 'SGLANG_IPC' or "
-    "WeightSyncClient, which read over CUDA IPC there); tensors in expandable segments (unset "
-    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); no RDMA between nodes. "
-    "UCX_PROTO_INFO=y prints the protocol UCX picked."
+    "[RDT] a NIXL pull of %.1f MiB ran at %.2f GB/s: UCX found no GPU path and fell back to TCP. Causes seen: "
+    "trainer and rank on the same GPU (use transport 'SGLANG_IPC' or WeightSyncClient, which read over CUDA IPC "
+    "there); tensors in expandable segments (unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); no RDMA "
+    "between nodes. UCX_PROTO_INFO=y prints the protocol UCX picked."
 )
 
 
@@ -45,7 +40,6 @@ class RdtWeightReceiver:
                  device: Optional[torch.device] = None, pull_timeout_s: float = PULL_TIMEOUT_S,
                  registration_disabled_reason: Optional[str] = None,
                  registrations: Optional[RegistrationBook] = None, state: Optional[RankUpdateState] = None):
-        self._get_params = get_params
         self._device = device
         self.pull_timeout_s = pull_timeout_s
         # Guards the plans, registrations, _closed/_weights_released; never taken under the update state's lock.
@@ -55,8 +49,7 @@ class RdtWeightReceiver:
         self._slow_nixl_warned = False
         self._plans = PlanCache(get_params)
         self._nixl_book = registrations is None  # (a given book registers its own way)
-        self._registration = ParameterRegistration(get_params, self._plans,
-                                                   registration_disabled_reason, registrations)
+        self._registration = ParameterRegistration(get_params, self._plans, registration_disabled_reason, registrations)
         self.state = state or RankUpdateState(param_names=lambda: list(get_params()))
 
     def register(self) -> Dict[str, Any]:
@@ -65,8 +58,7 @@ class RdtWeightReceiver:
             logger.info("[RDT] register_weight_for_rdt skipped: %s", reason)
             return {"registered": False, "reason": reason}
         with self._lock:
-            self._check_open()
-            self._bind_device()
+            self._enter(pulling=False)
             t0 = time.perf_counter()
             if self._nixl_book:
                 nixl_threads.start_nixl_agent()  # its progress thread at idle priority
@@ -98,9 +90,11 @@ class RdtWeightReceiver:
             self._registration.resumed()
 
     def on_weights_loaded(self) -> None:
-        """sglang loaded weights its own way: the next pull walks the model first."""
+        """sglang loaded weights its own way, or an update ended: the next pull walks the model first."""
         with self._lock:
             self._plans.mark_stale()
+
+    end_of_update = on_weights_loaded
 
     def close(self) -> None:
         """Release registrations and kept mappings; refuse later pulls."""
@@ -108,11 +102,6 @@ class RdtWeightReceiver:
         with self._lock:
             self._closed = True
         same_node.release()
-
-    def end_of_update(self) -> None:
-        """The next pull walks again."""
-        with self._lock:
-            self._plans.mark_stale()
 
     def needs_refresh(self) -> bool:
         return self._plans.stale
@@ -139,21 +128,14 @@ class RdtWeightReceiver:
                 "weights_released": self._weights_released,
                 "registration_disabled_reason": self._registration.disabled_reason}
 
-    def _check_open(self) -> None:
+    def _enter(self, pulling: bool = True) -> None:
         if self._closed:
             raise WeightSyncError("the engine is shut down; this rank accepts no more pulls")
-
-    def _bind_device(self) -> None:
+        if pulling and self._weights_released:
+            raise WeightSyncError("weights are released (memory saver); resume memory occupation before pulling")
         # CUDA's current device is per thread, and Ray runs actor methods on other threads.
         if self._device is not None and self._device.type == "cuda":
             torch.cuda.set_device(self._device)
-
-    def _enter(self) -> None:
-        self._check_open()
-        if self._weights_released:
-            raise WeightSyncError(
-                "weights are released (memory saver); resume memory occupation before pulling")
-        self._bind_device()
 
     def prepare(self, sources: Sequence[Any], names, key: Any = None) -> Dict[str, Any]:
         """Plan ``sources`` and map a lane source's kept segments, writing nothing; needs no pause."""
@@ -166,11 +148,9 @@ class RdtWeightReceiver:
             plan, _, reused = self._plans.plan(specs, names, key)
             opened = sum(s.read(t, self._device, self.pull_timeout_s, copy=False).opened
                          for s, t in zip(sources, plan.targets))
-        return {"tensors": plan.count, "plan_reused": reused, "opened": opened,
-                "seconds": time.perf_counter() - t0}
+        return {"tensors": plan.count, "plan_reused": reused, "opened": opened, "seconds": time.perf_counter() - t0}
 
-    def pull(self, sources: Sequence[Any], names, timeout_s: Optional[float] = None,
-             key: Any = None) -> Dict[str, Any]:
+    def pull(self, sources: Sequence[Any], names, timeout_s: Optional[float] = None, key: Any = None) -> Dict[str, Any]:
         """Land ``sources`` in parameters ``names`` (flat, or per source); ``key``: the layout's identity."""
         timeout_s = self.pull_timeout_s if timeout_s is None else float(timeout_s)
         with self._lock:
@@ -180,8 +160,7 @@ class RdtWeightReceiver:
             t_plan = time.perf_counter() - t0
             reads = self._transfer(sources, plan, writes, timeout_s)
             t_fetch = time.perf_counter() - t0 - t_plan
-            stats = self._record(plan, writes, reads, reused, t_plan, t_fetch, t0)
-        return stats
+            return self._record(plan, writes, reads, reused, t_plan, t_fetch, t0)
 
     def _plan(self, sources, names, timeout_s: float, key: Any):
         specs = [s.specs(timeout_s) for s in sources]
@@ -236,12 +215,11 @@ class RdtWeightReceiver:
             "timing": {"pull_start": t0, "pull_end": t0 + seconds},
         }
         self.state.landed(writes, stats)
+        level = logging.DEBUG if reused else logging.INFO
         if stats["fenced"]:  # the copy runs on: its rate is not known here
-            logger.log(logging.DEBUG if reused else logging.INFO,
-                       "[RDT] pulled %d tensors, %.1f MiB (copy queued in %.3f s, transport=%s)",
+            logger.log(level, "[RDT] pulled %d tensors, %.1f MiB (copy queued in %.3f s, transport=%s)",
                        plan.count, plan.nbytes / 2**20, t_fetch, stats["transport"])
         else:
-            logger.log(logging.DEBUG if reused else logging.INFO,
-                       "[RDT] pulled %d tensors, %.1f MiB in %.3f s (%.2f GB/s, transport=%s)",
+            logger.log(level, "[RDT] pulled %d tensors, %.1f MiB in %.3f s (%.2f GB/s, transport=%s)",
                        plan.count, plan.nbytes / 2**20, t_fetch, stats["gbps"], stats["transport"])
         return stats

@@ -24,8 +24,7 @@ def expandable_segment_tensors(tensors, snapshot=None) -> List[torch.Tensor]:
         return []
     if snapshot is None:
         snapshot = torch.cuda.memory_snapshot()
-    spans = [(seg["address"], seg["address"] + seg["total_size"])
-             for seg in snapshot if seg.get("is_expandable")]
+    spans = [(seg["address"], seg["address"] + seg["total_size"]) for seg in snapshot if seg.get("is_expandable")]
     if not spans:
         return []
     return [t for t in cuda if any(lo <= t.data_ptr() < hi for lo, hi in spans)]
@@ -43,11 +42,10 @@ def warn_if_expandable_segments(tensors) -> None:
     except Exception:  # the allocator cannot tell; nothing to warn about
         return
     if hits:
-        logger.warning("[RDT] %d of %d tensors live in CUDA expandable segments "
-                       "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): NIXL/UCX cannot "
-                       "export them over CUDA IPC and silently falls back to TCP (~0.3 GB/s). "
-                       "Unset expandable_segments for the rollout engine and the trainer's "
-                       "weight buckets.", len(hits), len(tensors))
+        logger.warning("[RDT] %d of %d tensors live in CUDA expandable segments (PYTORCH_CUDA_ALLOC_CONF="
+                       "expandable_segments:True): NIXL/UCX cannot export them over CUDA IPC and silently falls "
+                       "back to TCP (~0.3 GB/s). Unset expandable_segments for the rollout engine and the "
+                       "trainer's weight buckets.", len(hits), len(tensors))
 
 
 class RegistrationBook:
@@ -85,13 +83,12 @@ class RegistrationBook:
         return {"added": len(added), "dropped": len(dropped)}
 
     def release_all(self) -> int:
-        n = 0
+        n = len(self._entries)
         for k, t in list(self._entries.items()):
             try:
                 self._deregister(t)
             finally:
                 del self._entries[k]
-                n += 1
         return n
 
 

@@ -6,6 +6,8 @@ from typing import Iterator, Optional, Protocol, Tuple
 
 import torch
 
+from sglang.srt.ray.rdt.errors import WeightSyncError
+
 
 class SchedulerPort(Protocol):
     def named_parameters(self) -> Iterator[Tuple[str, torch.Tensor]]: ...
@@ -63,7 +65,6 @@ class SglangSchedulerPort:
 
     def begin_session(self) -> None:
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
-        from sglang.srt.ray.rdt.errors import WeightSyncError
 
         out = self.scheduler.weight_updater.begin_weight_update(BeginWeightUpdateReqInput())
         if not out.success:
@@ -98,8 +99,6 @@ class SglangSchedulerPort:
     def _lora_manager(self):
         manager = getattr(self.scheduler.tp_worker.model_runner, "lora_manager", None)
         if manager is None:
-            from sglang.srt.ray.rdt.errors import WeightSyncError
-
             raise WeightSyncError("LoRA is off on this engine: start it with --enable-lora (and "
                                   "--max-lora-rank, --lora-target-modules for adapters registered later)")
         return manager
@@ -107,7 +106,6 @@ class SglangSchedulerPort:
     def lora_layout(self, config: dict):
         from sglang.srt.lora.adapter_stash import expected_tensors
         from sglang.srt.lora.lora_config import LoRAConfig
-        from sglang.srt.ray.rdt.errors import WeightSyncError
 
         manager = self._lora_manager()
         cfg = LoRAConfig.from_dict(config, base_vocab_size=manager.base_hf_config.vocab_size)
@@ -123,7 +121,6 @@ class SglangSchedulerPort:
 
     def lora_apply(self, stash) -> None:
         from sglang.srt.lora.lora_registry import LoRARef
-        from sglang.srt.ray.rdt.errors import WeightSyncError
 
         ref = LoRARef(lora_id=stash.lora_id, lora_name=stash.name, lora_path="__tensor__", pinned=False)
         out = self._lora_manager().upsert_lora_adapter_from_tensors(ref, dict(stash.tensors), stash.config)

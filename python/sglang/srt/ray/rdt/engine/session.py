@@ -44,8 +44,7 @@ class WeightSyncSession:
         """One of sglang's lifecycle calls on every rank (this session holds the writer lock already)."""
         from sglang.srt.managers.communicator import FanOutCommunicator
 
-        results = await getattr(self._tm, communicator_name)(obj)
-        success, message = FanOutCommunicator.merge_results(results)
+        success, message = FanOutCommunicator.merge_results(await getattr(self._tm, communicator_name)(obj))
         if not success:
             raise WeightSyncSessionError(message)
 
@@ -61,9 +60,8 @@ class WeightSyncSession:
             try:
                 await asyncio.wait_for(lock.acquire_writer(), timeout=drain_timeout_s)
             except asyncio.TimeoutError:
-                raise WeightSyncSessionError(
-                    f"in-flight requests did not finish within {drain_timeout_s:.0f} s; "
-                    "nothing was changed (raise drain_timeout_s or abort requests)") from None
+                raise WeightSyncSessionError(f"in-flight requests did not finish within {drain_timeout_s:.0f} s; "
+                                             "nothing was changed (raise drain_timeout_s or abort requests)") from None
             try:
                 await self._pause()
                 await self._lifecycle("begin_weight_update_communicator", BeginWeightUpdateReqInput())
@@ -74,8 +72,7 @@ class WeightSyncSession:
             self._session_id = uuid.uuid4().hex[:12]
             self._opened_at = time.monotonic()
             self._lease_task = asyncio.ensure_future(self._expire(self._session_id, lease_s))
-            logger.info("[RDT] update session %s open (generation paused, lease %.0f s)",
-                        self._session_id, lease_s)
+            logger.info("[RDT] update session %s open (generation paused, lease %.0f s)", self._session_id, lease_s)
             return {"session_id": self._session_id, "lease_s": lease_s}
 
     async def end(self, weight_version: Optional[str] = None, flush_cache: bool = True,
@@ -86,8 +83,7 @@ class WeightSyncSession:
             self._check_open(session_id)
             try:
                 if weight_version is not None:
-                    await self._tm.update_weight_version(
-                        UpdateWeightVersionReqInput(new_version=str(weight_version)))
+                    await self._tm.update_weight_version(UpdateWeightVersionReqInput(new_version=str(weight_version)))
                 await self._lifecycle("end_weight_update_communicator", EndWeightUpdateReqInput())
                 flushed = bool((await self._tm.flush_cache()).success) if flush_cache else False
             except WeightSyncSessionError as e:
@@ -100,10 +96,8 @@ class WeightSyncSession:
                 raise
             seconds = time.monotonic() - self._opened_at
             await self._release()
-            logger.info("[RDT] update session finalized in %.3f s: weight_version=%s",
-                        seconds, weight_version)
-            return {"success": True, "weight_version": weight_version,
-                    "seconds": seconds, "flushed_cache": flushed}
+            logger.info("[RDT] update session finalized in %.3f s: weight_version=%s", seconds, weight_version)
+            return {"success": True, "weight_version": weight_version, "seconds": seconds, "flushed_cache": flushed}
 
     async def abort(self, reason: str = "update aborted by the trainer",
                     session_id: Optional[str] = None) -> Dict[str, Any]:
@@ -187,5 +181,4 @@ class WeightSyncSession:
         async with self._mutex:
             if self._session_id != session_id:
                 return
-            await self._close(f"the update session was not finalized within its {lease_s:.0f} s lease "
-                              "(trainer gone?)")
+            await self._close(f"the update session was not finalized within its {lease_s:.0f} s lease (trainer gone?)")

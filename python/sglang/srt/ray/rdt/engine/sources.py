@@ -35,14 +35,12 @@ class RefSource:
                 "list (pull_weights.remote([ref], names)) so Ray does not resolve it")
         meta = compat.rdt_metadata(ref)
         if meta is None:
-            raise WeightSyncError(f"{ref} is not an RDT object: put it with "
-                                  "ray.put(tensors, _tensor_transport='nixl')")
+            raise WeightSyncError(f"{ref} is not an RDT object: put it with ray.put(tensors, _tensor_transport='nixl')")
         self.backend = meta.tensor_transport_backend.upper()
         if self.backend not in PULLABLE_TRANSPORTS:
             raise WeightSyncError(
-                f"{ref} uses tensor transport {meta.tensor_transport_backend!r}; pull_weights "
-                "needs 'nixl' (or 'SGLANG_IPC', the same-node transport of "
-                "sglang.srt.ray.rdt.transport.sglang_ipc)")
+                f"{ref} uses tensor transport {meta.tensor_transport_backend!r}; pull_weights needs 'nixl' (or "
+                "'SGLANG_IPC', the same-node transport of sglang.srt.ray.rdt.transport.sglang_ipc)")
         self.ref, self._meta = ref, meta
 
     def transport_meta(self, timeout_s: float):
@@ -50,8 +48,7 @@ class RefSource:
         if tm is None:  # the sender has not created the object yet
             tm = compat.wait_transport_metadata(self.ref, timeout_s)
             if tm is None:
-                raise WeightSyncError(f"{self.ref}: the sender did not create the object "
-                                      f"within {timeout_s:.0f} s")
+                raise WeightSyncError(f"{self.ref}: the sender did not create the object within {timeout_s:.0f} s")
             self._meta = compat.rdt_metadata(self.ref)
         return tm
 
@@ -94,9 +91,8 @@ class RefSource:
         got = list(got) if isinstance(got, (list, tuple)) else [got]
         if len(got) != len(targets.tensors) or any(
                 getattr(g, "data_ptr", lambda: None)() != int(p) for g, p in zip(got, targets.ptrs)):
-            raise InPlaceError(
-                "a tensor was fetched into a new buffer instead of the live parameter (target "
-                "dropped by Ray?); the model was not updated in place")
+            raise InPlaceError("a tensor was fetched into a new buffer instead of the live parameter (target "
+                               "dropped by Ray?); the model was not updated in place")
         return ReadResult("nixl", len(got), int(targets.nbytes.sum()), time.perf_counter() - t0,
                           reason=why, method="nixl", copy_seconds=time.perf_counter() - t0)
 

@@ -101,8 +101,7 @@ class RankUpdateState:
 
     @property
     def update_kind(self) -> Optional[str]:
-        u = self._update
-        return u.kind if u else None
+        return getattr(self._update, "kind", None)
 
     @property
     def wrote_weights(self) -> bool:
@@ -138,14 +137,12 @@ class RankUpdateState:
 
     def _conflict(self, u: _Update, name: str, prev: Writer, writer: Writer) -> None:
         message = (
-            f"parameter {name!r} was already written in this update by {prev.label}; refusing the "
-            f"pull from {writer.label}. Two writers must not write the same parameter in one update "
-            "(a restarted trainer whose old process still runs, or two jobs pointed at one engine?). "
-            "Nothing of this pull was written; the update is marked inconsistent: end or abort it, "
-            "then run a clean update from one trainer"
+            f"parameter {name!r} was already written in this update by {prev.label}; refusing the pull from "
+            f"{writer.label}. Two writers must not write the same parameter in one update (a restarted trainer "
+            "whose old process still runs, or two jobs pointed at one engine?). Nothing of this pull was written; "
+            "the update is marked inconsistent: end or abort it, then run a clean update from one trainer"
         )
-        if u.conflict is None:
-            u.conflict = message
+        u.conflict = u.conflict or message
         self._mark_inconsistent(message)
         self.fail("conflict")
         logger.error("[RDT]%s %s", f" {self.rank}" if self.rank else "", message)
@@ -196,39 +193,25 @@ class RankUpdateState:
         with self._lock:
             u = self._update or _Update(kind="session", started=self._clock())
             self._update = None
-            version = self._weight_version()
             names = self._names()
-            total = None if names is None else len(names)
             problem = u.conflict
             if problem is None and u.broken:
                 problem = (f"{len(u.broken)} parameters of a transfer that broke in this update "
                            f"were not written again (e.g. {sorted(u.broken)[0]!r})")
-            if problem is None:
-                self._consistent, self._reason = True, None
-            else:
-                self._mark_inconsistent(problem)
+            self._consistent, self._reason = problem is None, problem
             # (one writer landed everything, no pull broke: it wrote every name of u.writers)
             whom = u.written().values() if len(u.writer_ids) > 1 or u.failed_pulls else u.last_writer
             writers = sorted({w.label for w in whom})
             count = u.written_count()
             summary = {
-                "weight_version": version,
-                "pulls": u.pulls,
-                "tensors": u.tensors,
-                "bytes": u.bytes,
-                "transfer_seconds": u.transfer_s,
-                "pull_seconds": u.pull_s,
+                "weight_version": self._weight_version(), "pulls": u.pulls, "tensors": u.tensors, "bytes": u.bytes,
+                "transfer_seconds": u.transfer_s, "pull_seconds": u.pull_s,
                 "gbps": u.bytes / u.transfer_s / 1e9 if u.transfer_s > 0 else 0.0,
-                "transport": ",".join(u.transports) or "none",
-                "update_seconds": self._clock() - u.started,
-                "params_updated": count,
-                "params_total": total,
-                "writers": len(writers),
-                "writer_labels": writers,
-                "rewrites": u.rewrites,
-                "conflict": u.conflict,
-                "consistent": self._consistent,
-                "inconsistent_reason": self._reason,
+                "transport": ",".join(u.transports) or "none", "update_seconds": self._clock() - u.started,
+                "params_updated": count, "params_total": None if names is None else len(names),
+                "writers": len(writers), "writer_labels": writers,
+                "rewrites": u.rewrites, "conflict": u.conflict,
+                "consistent": self._consistent, "inconsistent_reason": self._reason,
                 **extra,
             }
             if names is not None:  # (every name written: the writers hold as many names)
@@ -288,23 +271,17 @@ class RankUpdateState:
             if u is None:
                 return None
             return {"kind": u.kind, "pulls": u.pulls, "tensors": u.tensors, "bytes": u.bytes,
-                    "params_written": u.written_count(),
-                    "writers": len({w.id for w in u.written().values()}),
+                    "params_written": u.written_count(), "writers": len({w.id for w in u.written().values()}),
                     "rewrites": u.rewrites, "conflict": u.conflict}
 
     def status(self) -> Dict[str, Any]:
         with self._lock:
             return {
-                "weights_consistent": self._consistent,
-                "inconsistent_reason": self._reason,
-                "weight_version": self._weight_version(),
-                "update_open": self._update is not None,
-                "update_in_progress": self.in_progress(),
-                "updates": self.updates,
-                "failed_updates": self.failed_updates,
-                "failures": dict(self.failures),
-                "last_update": self.last_update,
-                **self.totals,
+                "weights_consistent": self._consistent, "inconsistent_reason": self._reason,
+                "weight_version": self._weight_version(), "update_open": self._update is not None,
+                "update_in_progress": self.in_progress(), "updates": self.updates,
+                "failed_updates": self.failed_updates, "failures": dict(self.failures),
+                "last_update": self.last_update, **self.totals,
             }
 
     def _mark_inconsistent(self, reason: str) -> None:

@@ -25,11 +25,11 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 
 def describe_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
+    return f"{n:.1f} GiB"
 
 
 def _checked(name, t):
@@ -85,9 +85,9 @@ def split_payloads(named, n_ranks: int):
     if any(is_stream(p) for p in per_rank) and len({id(p) for p in per_rank}) > 1:
         raise WeightSyncError("a per-rank update takes mappings, not iterators")
     rank_groups = group_ranks([id(p) for p in per_rank])
+    payloads = [per_rank[g[0]] for g in rank_groups]
     # A mapping is read as it is (each tensor checked when it is cut); pairs become one.
-    return [p if isinstance(p, Mapping) else normalize(p) for p in (per_rank[g[0]] for g in rank_groups)], \
-        rank_groups
+    return [p if isinstance(p, Mapping) else normalize(p) for p in payloads], rank_groups
 
 
 @dataclass
@@ -110,11 +110,10 @@ def cut(items, group_bytes: int) -> Iterator[Group]:
     tensor alone), each handed out once complete and scanned in one call."""
     if group_bytes <= 0:
         raise ValueError(f"group_bytes must be positive, got {group_bytes}")
-    if isinstance(items, Group):  # (a whole mapping, looked at already)
-        yield from _cut_all(items.names, items.tensors, group_bytes, items.scan)
-        return
     if isinstance(items, Mapping):
-        yield from _cut_all(list(items), list(items.values()), group_bytes)
+        items = whole(items)
+    if isinstance(items, Group):  # (a whole mapping, looked at already)
+        yield from _cut_whole(items, group_bytes)
         return
     current = Group(0)
     for name, t in items:
@@ -146,19 +145,19 @@ def _scan(names: List[str], tensors: List[torch.Tensor]) -> Scan:
         raise
 
 
-def whole(payload) -> Group:
+def whole(payload: Mapping[str, torch.Tensor]) -> Group:
     """A mapping as one group, looked at once (cut further with :func:`steps`)."""
-    return next(cut(payload, WHOLE))
-
-
-def _cut_all(names: List[str], tensors: List[torch.Tensor], group_bytes: int,
-             s: Optional[Scan] = None) -> Iterator[Group]:
+    names, tensors = list(payload), list(payload.values())
     if not names:
         raise WeightSyncError("empty update: no tensors were given")
-    if s is None:
-        s = _scan(names, tensors)  # (a tensor's autograd state does not matter here)
+    s = _scan(names, tensors)  # (a tensor's autograd state does not matter here)
+    return Group(0, names, tensors, s, int(s.nbytes.sum()))
+
+
+def _cut_whole(g: Group, group_bytes: int) -> Iterator[Group]:
+    names, tensors, s = g.names, g.tensors, g.scan
     if group_bytes == WHOLE:
-        yield Group(0, names, tensors, s, int(s.nbytes.sum()))
+        yield Group(0, names, tensors, s, g.nbytes)
         return
     sizes = s.nbytes.tolist()
     start, total, index = 0, 0, 0
@@ -191,7 +190,7 @@ def slot_layout(step: Sequence[Tuple[int, Group]]) -> Tuple[List[List[int]], int
     """Aligned byte offsets of every tensor of ``step`` inside one slot, and the bytes the step needs."""
     offsets, at = [], 0
     for _, group in step:
-        room = (group.scan.nbytes + (ALIGN - 1)) // ALIGN * ALIGN
+        room = align_up(group.scan.nbytes)
         ends = at + np.cumsum(room)
         offsets.append((ends - room).tolist())
         at = int(ends[-1]) if len(ends) else at
@@ -209,8 +208,7 @@ def slot_bytes_for(layouts: Sequence[Sequence[int]], group_bytes: int) -> int:
     return need
 
 
-def check_tensors(names: Sequence[str], shapes, dtypes, layout: Mapping[str, Mapping[str, Any]],
-                  rank: str) -> None:
+def check_tensors(names: Sequence[str], shapes, dtypes, layout: Mapping[str, Mapping[str, Any]], rank: str) -> None:
     """Raise :class:`WeightSyncError` unless every tensor fits the rank's ``get_parameter_layout()``."""
     want_of = expected_specs(layout)
     for name, shape, dtype in zip(names, shapes, dtypes):
@@ -235,8 +233,7 @@ def expected_specs(layout: Mapping[str, Mapping[str, Any]]) -> Dict[str, tuple]:
     for name, want in layout.items():
         dname = dtype_name(want["dtype"])
         dtype = getattr(torch, dname, None)
-        out[name] = (tuple(int(d) for d in want["shape"]), dname,
-                     dtype if isinstance(dtype, torch.dtype) else None)
+        out[name] = (tuple(int(d) for d in want["shape"]), dname, dtype if isinstance(dtype, torch.dtype) else None)
     if len(_expected_cache) >= 64:
         _expected_cache.clear()
     _expected_cache[id(layout)] = (layout, out)

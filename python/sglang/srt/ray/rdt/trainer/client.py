@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import uuid
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -22,7 +23,7 @@ from sglang.srt.ray.rdt.trainer.route import Route, decide_route
 from sglang.srt.ray.rdt.trainer.sender import SenderLink, release_rank_mappings
 from sglang.srt.ray.rdt.trainer.sessions import make_session
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
-from sglang.srt.ray.rdt.trainer.update import Update, group_bytes_for, readable_in_place
+from sglang.srt.ray.rdt.trainer.update import Update
 from sglang.srt.ray.rdt.transport import same_node, tensor_scan
 
 __all__ = ["WeightSyncClient", "WeightSyncRankError", "UpdateStats", "BucketStats", "RankInfo"]
@@ -61,25 +62,11 @@ class WeightSyncClient:
         staging: :meth:`staging` allocates in the staging pool (:mod:`.staging`), which ranks keep mapped.
     """
 
-    def __init__(
-        self,
-        actors: Sequence[Any],
-        *,
-        names: Optional[Sequence[Optional[str]]] = None,
-        url: Optional[str] = None,
-        engine: Any = None,
-        bucket_bytes: Optional[int] = None,
-        device: str = "cpu",
-        pull_timeout_s: Optional[float] = None,
-        lease_s: float = SESSION_LEASE_S,
-        call_timeout_s: float = CALL_TIMEOUT_S,
-        sender: Optional[str] = None,
-        transport: str = "auto",
-        export: str = "auto",
-        lane: bool = True,
-        staging: bool = True,
-        api_key: Optional[str] = None,
-    ):
+    def __init__(self, actors: Sequence[Any], *, names: Optional[Sequence[Optional[str]]] = None,
+                 url: Optional[str] = None, engine: Any = None, bucket_bytes: Optional[int] = None,
+                 device: str = "cpu", pull_timeout_s: Optional[float] = None, lease_s: float = SESSION_LEASE_S,
+                 call_timeout_s: float = CALL_TIMEOUT_S, sender: Optional[str] = None, transport: str = "auto",
+                 export: str = "auto", lane: bool = True, staging: bool = True, api_key: Optional[str] = None):
         transport = {"auto": "auto", "nixl": "nixl", "sglang_ipc": SGLANG_IPC}.get(transport.lower())
         if transport is None:
             raise ValueError("transport must be 'auto', 'nixl' or 'SGLANG_IPC'")
@@ -201,33 +188,24 @@ class WeightSyncClient:
         if named_tensors is not None:
             if buckets.is_stream(named_tensors):
                 raise WeightSyncError("register() takes a mapping of the tensors, not an iterator")
-            payloads, rank_groups = buckets.split_payloads(named_tensors, len(self.ranks))
-            payloads = [buckets.whole(p) for p in payloads]
-            in_place = route.direct and all(readable_in_place(p, self.device_obj) for p in payloads)
-            # grouped as update() will group them, so its layouts are the ones prepared
-            steps = list(buckets.steps(payloads, rank_groups,
-                                       group_bytes_for(in_place, self.bucket_bytes, False)))
-            for step in steps:
-                for rg, group in step:
-                    self.layouts_book.assign(rg, group, rank_groups[rg], self._layouts, self.labels)
-            if in_place:
-                self._prepare_direct(steps, rank_groups)
+            plan = Update(self, None, self.bucket_bytes, False, True)
+            steps = plan.plan(named_tensors)  # grouped as update() will group them: its layouts are prepared
+            if plan.in_place:
+                self._prepare_direct(steps, plan.rank_groups)
             else:
-                self.sender.prepare(max(buckets.slot_layout(s)[1] for s in steps), self.ranks)
+                self.sender.prepare(plan.slot_bytes, self.ranks)
         elif not route.direct:  # the slots a stream's steps fill, made (and NIXL-registered) now
             self.sender.prepare(self._slot_bytes_for_any_update() or self.bucket_bytes, self.ranks)
         return out
 
     def _slot_bytes_for_any_update(self) -> Optional[int]:
         """Slots no update of these parameters outgrows (:func:`.buckets.slot_bytes_for`); None: a dtype unknown."""
-        layouts = {}
+        layouts = set()  # (replicas share a layout: one rank group)
         for layout in self._layouts:
-            sizes = []
-            for shape, _, dtype in buckets.expected_specs(layout).values():
-                if dtype is None:
-                    return None
-                sizes.append(torch.Size(shape).numel() * dtype.itemsize)
-            layouts[tuple(sizes)] = None  # (replicas share a layout: one rank group)
+            specs = buckets.expected_specs(layout).values()
+            if any(dtype is None for _, _, dtype in specs):
+                return None
+            layouts.add(tuple(torch.Size(shape).numel() * dtype.itemsize for shape, _, dtype in specs))
         return buckets.slot_bytes_for(list(layouts), self.bucket_bytes)
 
     def _prepare_direct(self, steps, rank_groups) -> None:
@@ -319,9 +297,8 @@ class WeightSyncClient:
                 named_tensors = {r: {**per_rank.get(r, {}), **adapters} for r in range(len(self.ranks))}
             elif layout != "rollout":
                 raise ValueError(f"layout must be 'rollout' or 'hf', got {layout!r}")
-            stats = Update(self, None if version is None else str(version),
-                           int(bucket_bytes or self.bucket_bytes), strict, flush_cache,
-                           progress).run(named_tensors)
+            stats = Update(self, None if version is None else str(version), int(bucket_bytes or self.bucket_bytes),
+                           strict, flush_cache, progress).run(named_tensors)
             logger.info("[RDT] update: %s", stats.summary())
             return stats
         finally:
@@ -342,12 +319,8 @@ class WeightSyncClient:
         """Register LoRA adapter ``lora_name`` (``config_dict``: its PEFT adapter_config) on the engine. Returns what
         :meth:`update` must send: ``expected_tensors`` (``"{lora_name}:{PEFT key}"`` -> shape) and ``dtype``."""
         if self.url:
-            return self.session.post("/register_lora_adapter", {"lora_name": lora_name,
-                                                                 "config_dict": config_dict})
-        import uuid
-
-        lora_id = uuid.uuid4().hex
-        return self._call_entries("register_lora_adapter", lora_name, config_dict, lora_id)[0]
+            return self.session.post("/register_lora_adapter", {"lora_name": lora_name, "config_dict": config_dict})
+        return self._call_entries("register_lora_adapter", lora_name, config_dict, uuid.uuid4().hex)[0]
 
     def hf_resharder(self, model_path: Optional[str] = None):
         """This engine's :class:`~.hf_reshard.HFResharder`, built once (needs ``url=``)."""
@@ -370,9 +343,8 @@ class WeightSyncClient:
         """Give the trainer's GPU memory back: the ranks drop their mappings, the slots and the staging pool are
         freed (the next update makes them again). Drop tensors made in ``staging()`` first."""
         try:
-            if self._pool is not None or self.device_obj.type == "cuda":
-                release_rank_mappings(self.ranks, same_node.token(), self.call_timeout_s,
-                                      "the trainer's tensors")
+            if self.device_obj.type == "cuda":  # (the staging pool lives only there)
+                release_rank_mappings(self.ranks, self.call_timeout_s, "the trainer's tensors")
         finally:
             try:
                 self.sender.close(self.ranks)

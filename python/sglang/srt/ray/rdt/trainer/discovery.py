@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -100,17 +101,15 @@ def find_ranks(port: int, namespace: str, *, node_ip: Optional[str] = None, host
     if node_ip is None:
         node_ip = host if host not in _ANY_ADDRESS else ray.util.get_node_ip_address()
     actors, names = [], []
-    for dp in range(dp_size):
-        for pp in range(pp_size):
-            for tp in range(tp_size):
-                bundle = bundle_index(dp, pp, tp) if callable(bundle_index) else bundle_index
-                name = get_scheduler_actor_name(rank0_node_ip=node_ip, dp_rank=dp, pp_rank=pp, tp_rank=tp,
-                                                port=port, bundle_idx=bundle)
-                try:
-                    actors.append(ray.get_actor(name, namespace=namespace))
-                except ValueError:
-                    raise WeightSyncError(not_found(name, namespace, port)) from None
-                names.append(name)
+    for dp, pp, tp in itertools.product(range(dp_size), range(pp_size), range(tp_size)):
+        bundle = bundle_index(dp, pp, tp) if callable(bundle_index) else bundle_index
+        name = get_scheduler_actor_name(rank0_node_ip=node_ip, dp_rank=dp, pp_rank=pp, tp_rank=tp,
+                                        port=port, bundle_idx=bundle)
+        try:
+            actors.append(ray.get_actor(name, namespace=namespace))
+        except ValueError:
+            raise WeightSyncError(not_found(name, namespace, port)) from None
+        names.append(name)
     logger.info("[RDT] weight-sync client: %d ranks of the engine on port %d in namespace %r",
                 len(actors), port, namespace)
     return actors, names

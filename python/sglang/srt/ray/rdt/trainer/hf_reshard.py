@@ -47,12 +47,6 @@ class HFTensorSpec:
     dtype: torch.dtype
 
 
-def _safetensors_header(path: Path) -> Dict[str, Any]:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
-
-
 def checkpoint_layout(model_path: Union[str, Path]) -> Dict[str, HFTensorSpec]:
     """``{hf_name: HFTensorSpec}`` of a checkpoint, from its safetensors headers or else its meta-device model."""
     root = Path(model_path)
@@ -60,7 +54,10 @@ def checkpoint_layout(model_path: Union[str, Path]) -> Dict[str, HFTensorSpec]:
     if files:
         out: Dict[str, HFTensorSpec] = {}
         for f in files:
-            for name, meta in _safetensors_header(f).items():
+            with open(f, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+            for name, meta in header.items():
                 if name == "__metadata__":
                     continue
                 dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
@@ -120,8 +117,7 @@ class _Replica:
         from sglang.srt.model_loader import get_model
         from sglang.srt.model_loader.parameter_mapper import ParameterMapper
 
-        self.config = config
-        self.server_args = server_args
+        self.config, self.server_args = config, server_args
         with _published(server_args), ParallelismContext(config):
             self.model = get_model(
                 model_config=ModelConfig(model_path, dtype=server_args.dtype,
@@ -170,12 +166,8 @@ class HFResharder:
         from sglang.srt.ray.rdt.trainer.discovery import http
 
         url = url.rstrip("/")
-
-        def get(path: str) -> Dict[str, Any]:
-            return http("GET", url, path, api_key, timeout_s)
-
-        info = get("/server_info")
-        configs = [get(f"/parallelism_config?rank={r}") for r in range(num_ranks)]
+        info = http("GET", url, "/server_info", api_key, timeout_s)
+        configs = [http("GET", url, f"/parallelism_config?rank={r}", api_key, timeout_s) for r in range(num_ranks)]
         return cls(model_path or info["model_path"], info, configs, **kwargs)
 
     @property
@@ -193,8 +185,7 @@ class HFResharder:
                 m = replica.mapper.map(hf_name)
                 if m.loaded:
                     replica.parts.setdefault(m.sglang_name, []).append(hf_name)
-            logger.info("[RDT] HF reshard: replica of %s built (%d parameters)",
-                        config.describe(), len(replica.params))
+            logger.info("[RDT] HF reshard: replica of %s built (%d parameters)", config.describe(), len(replica.params))
             self._replicas[key] = replica
         return self._replicas[key]
 
@@ -210,7 +201,8 @@ class HFResharder:
         if not hf_state_dict:
             raise WeightSyncError("empty update: no tensors were given")
         expected = self.hf_layout
-        engine_dtype = _engine_dtype(self.server_args)
+        dtype = self.server_args.dtype  # the engine's --dtype, or "auto"
+        engine_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
         for name, t in hf_state_dict.items():
             if not isinstance(t, torch.Tensor):
                 raise WeightSyncError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
@@ -255,22 +247,14 @@ class HFResharder:
             items = [(p, hf_state_dict[p].detach()) for n in names for p in replica.parts[n]]
             replica.load(items)
             tensors = {n: replica.params[n].data for n in names}
-            for rank in group:
-                out[rank] = tensors
+            out.update(dict.fromkeys(group, tensors))  # (the ranks of one layout share its tensors)
         return out
 
 
 def _replica_server_args(model_path: str, server_args, device: str):
     from sglang.srt.server_args import ServerArgs
 
-    if isinstance(server_args, Mapping):
-        fields = {k: server_args[k] for k in LAYOUT_SERVER_ARGS if server_args.get(k) is not None}
-    else:
-        fields = {k: getattr(server_args, k) for k in LAYOUT_SERVER_ARGS}
-    fields = {k: v for k, v in fields.items() if v is not None}
+    if not isinstance(server_args, Mapping):
+        server_args = {k: getattr(server_args, k) for k in LAYOUT_SERVER_ARGS}
+    fields = {k: server_args[k] for k in LAYOUT_SERVER_ARGS if server_args.get(k) is not None}
     return ServerArgs(model_path=model_path, device=device, skip_tokenizer_init=True, **fields)
-
-
-def _engine_dtype(server_args) -> Optional[torch.dtype]:
-    value = getattr(server_args, "dtype", None)
-    return getattr(torch, value, None) if isinstance(value, str) else None

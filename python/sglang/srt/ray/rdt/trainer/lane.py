@@ -117,6 +117,7 @@ class RankLink:
                 raise TimeoutError(f"no answer on the call lane within the timeout (is the "
                                    f"scheduler of pid {self.pid} stuck?)")
             if self._poll.poll(int(min(left, LIVENESS_CHECK_S) * 1000) + 1):
+                why = ""
                 try:
                     body = recv_frame(self._sock)
                 except socket.timeout:
@@ -125,8 +126,6 @@ class RankLink:
                                    f"for over {FRAME_TIMEOUT_S:g} s") from None
                 except (OSError, ConnectionError) as e:  # reset, or cut in a frame
                     body, why = None, f" ({type(e).__name__}: {e})"
-                else:
-                    why = ""
                 if body is None:
                     self.broken = True
                     raise RankGone(f"the rank's process (pid {self.pid}) exited during the call, "
@@ -162,8 +161,7 @@ def wait_for_event(event, pid: int, deadline: float) -> float:
                                "after its pull returned")
         if now > look:
             if not pid_alive(pid):
-                raise RankGone(f"the rank's process (pid {pid}) exited while it copied the "
-                               "trainer's tensors")
+                raise RankGone(f"the rank's process (pid {pid}) exited while it copied the trainer's tensors")
             look = now + LIVENESS_CHECK_S
         if now - t0 < FENCE_SPIN_S:
             os.sched_yield()
@@ -197,10 +195,8 @@ class Lanes:
         if probe.is_cuda:
             torch.cuda.synchronize(probe.device)
         meta = same_node.export([probe])
-        calls = []
-        for r, st in zip(ranks, statuses):
-            if (st.get("ipc_reach") or {}).get("node_id") == here:
-                calls.append((r, r.actor.open_weight_sync_lane.remote(token, os.getpid(), meta)))
+        calls = [(r, r.actor.open_weight_sync_lane.remote(token, os.getpid(), meta))
+                 for r, st in zip(ranks, statuses) if (st.get("ipc_reach") or {}).get("node_id") == here]
         for r, ref in calls:
             try:
                 info = ray.get(ref, timeout=call_timeout_s)
@@ -224,7 +220,7 @@ class Lanes:
              fence: bool = False) -> LaneCall:
         """Send ``rank`` a pull of ``meta`` (``group``'s same-node description). The layout and a kept description
         go along only the first time this lane sees them; later pulls name their ids. ``fence``: the rank may
-        answer once its copy is queued; the caller must :meth:`wait_fence` before it lets go of the tensors."""
+        answer once its copy is queued; the caller must :meth:`RankLink.wait_fence` before it lets go of the tensors."""
         link = self.links[rank]
         first = group.layout not in link.defined
         kept = meta.ipc.kept_id if meta.ipc is not None else 0
@@ -247,10 +243,6 @@ class Lanes:
             link.defined.add(call.defines)
         if call.defines_source:
             link.sources.add(call.defines_source)
-
-    def wait_fence(self, rank: int, deadline: float) -> float:
-        """Wait for ``rank``'s fenced copy (its pull's answer said ``fenced``)."""
-        return self.links[rank].wait_fence(deadline)
 
     def close(self) -> None:
         for link in self.links.values():

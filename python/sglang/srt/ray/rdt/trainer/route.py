@@ -35,8 +35,7 @@ def decide_route(ranks: Sequence[Any], statuses: List[Dict[str, Any]], lanes: Se
                                   "(get_weight_sync_status()['transports'])")
         ref_transport = SGLANG_IPC if transport != "nixl" and accepts else "nixl"
         if ref_transport == "nixl":
-            _refuse_nixl_on_trainer_gpu(device, [statuses[r.index] for r in others],
-                                        [r.label() for r in others])
+            _refuse_nixl_on_trainer_gpu(device, [statuses[r.index] for r in others], [r.label() for r in others])
     why = _why_not_direct(ranks, statuses, lanes, export, device)
     if why is not None and export == "direct":
         raise WeightSyncError(f"export='direct': the ranks cannot read this trainer's tensors "
@@ -65,8 +64,7 @@ def _why_not_direct(ranks, statuses, lanes: Set[int], export: str, device) -> Op
         return f"{', '.join(missing)} cannot be reached over a same-node lane"
     gpu = _trainer_gpu(device)
     if gpu is None:
-        return None if export == "direct" else \
-            "host-memory tensors are read in place only with export='direct'"
+        return None if export == "direct" else "host-memory tensors are read in place only with export='direct'"
     for st, r in zip(statuses, ranks):
         if gpu[1] not in ((st.get("ipc_reach") or {}).get("gpus") or []):
             return f"{r.label()} does not see this trainer's GPU {gpu[1]}"

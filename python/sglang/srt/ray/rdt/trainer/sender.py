@@ -107,8 +107,7 @@ class BucketSender:
         if buf is None:
             raise BucketSenderError("bucket sender not prepared: call prepare() first")
         dst = [buf.data_ptr() + np.asarray(offs, np.int64) for offs in offsets]
-        end = max((int(d[-1] - buf.data_ptr() + g.scan.nbytes[-1]) for d, g in zip(dst, groups) if len(d)),
-                  default=0)
+        end = max((int(d[-1] - buf.data_ptr() + g.scan.nbytes[-1]) for d, g in zip(dst, groups) if len(d)), default=0)
         if end > buf.numel():
             raise BucketSenderError(f"a step does not fit the slot ({end} > {buf.numel()} bytes); "
                                     "prepare() it larger")
@@ -120,8 +119,10 @@ class BucketSender:
         if buf.is_cuda:
             torch.cuda.synchronize(buf.device)
         out = []
-        for d, g in zip(dst, groups):
-            ref = self._put(self._views(buf, d, g), ref_transport) if ref_transport else None
+        for offs, d, g in zip(offsets, dst, groups):
+            ref = None
+            if ref_transport:
+                ref = self._put([self._view(buf, int(o), t) for o, t in zip(offs, g.tensors)], ref_transport)
             out.append((ref, same_node.describe(d, g.scan.nbytes, buf.device) if local else None))
         self.stats["fills"] += 1
         return out
@@ -143,11 +144,6 @@ class BucketSender:
             if bits is not None and t.dim():  # (integer views: NaN payloads copied as they are)
                 v, t = v.view(bits), t.view(bits)
             v.copy_(t)
-
-    @staticmethod
-    def _views(buf: torch.Tensor, dst: np.ndarray, group) -> List[torch.Tensor]:
-        base = buf.data_ptr()
-        return [BucketSender._view(buf, int(d) - base, t) for d, t in zip(dst.tolist(), group.tensors)]
 
     def _put(self, views, transport: str):
         import ray
@@ -180,9 +176,8 @@ class BucketSender:
         """Free the slots, in flight or not (the ranks released their mappings); returns how many."""
         n = self._free_slots()
         self._closed = True
-        if self._pool is not None:
-            staging.release(self._pool)
-            self._pool = None
+        staging.release(self._pool)
+        self._pool = None
         return n
 
 
@@ -190,8 +185,7 @@ class SenderLink:
     """The client's bucket sender, made on first use; before slots are freed, the ranks drop their mappings."""
 
     def __init__(self, device: str, call_timeout_s: float):
-        self.device = device
-        self.call_timeout_s = call_timeout_s
+        self.device, self.call_timeout_s = device, call_timeout_s
         self.sender: Optional[BucketSender] = None
         self.slot_bytes = 0
 
@@ -213,7 +207,7 @@ class SenderLink:
     def release_rank_mappings(self, ranks) -> None:
         """Every rank closes its kept mappings of the slots (best effort)."""
         if self.sender is not None and self.device.startswith("cuda"):
-            release_rank_mappings(ranks, same_node.token(), self.call_timeout_s, "the bucket slots")
+            release_rank_mappings(ranks, self.call_timeout_s, "the bucket slots")
 
     def close(self, ranks) -> None:
         """Free the slots, once the ranks let go of them."""
@@ -227,14 +221,13 @@ class SenderLink:
             self.slot_bytes = 0
 
 
-def release_rank_mappings(ranks, token: str, timeout_s: float, what: str) -> None:
-    """Every rank closes its CUDA IPC mappings of sender ``token``'s memory (best effort: failures are logged)."""
+def release_rank_mappings(ranks, timeout_s: float, what: str) -> None:
+    """Every rank closes its CUDA IPC mappings of this process's memory (best effort: failures are logged)."""
     import ray
 
-    calls = [(r, r.actor.release_weight_sync_mappings.remote(token)) for r in ranks]
+    calls = [(r, r.actor.release_weight_sync_mappings.remote(same_node.token())) for r in ranks]
     for r, ref in calls:
         try:
             ray.get(ref, timeout=timeout_s)
         except Exception as e:
-            logger.warning("[RDT] %s did not release its mappings of %s: %s",
-                           r.label(), what, describe(unwrap(e)))
+            logger.warning("[RDT] %s did not release its mappings of %s: %s", r.label(), what, describe(unwrap(e)))

@@ -11,9 +11,6 @@ from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError, Weig
 
 logger = logging.getLogger(__name__)
 
-CallAll = Callable[..., List[Any]]
-
-
 class HttpSession:
     def __init__(self, url: str, lease_s: float, timeout_s: float, api_key: Optional[str] = None):
         self.url, self.lease_s, self.timeout_s, self.api_key = url.rstrip("/"), lease_s, timeout_s, api_key
@@ -30,10 +27,8 @@ class HttpSession:
         return self.post("/weight_sync/begin", {"lease_s": self.lease_s})["session_id"]
 
     def end(self, session_id: Optional[str], version: Optional[str], flush_cache: bool):
-        return self.post(
-            "/weight_sync/end",
-            {"weight_version": version, "flush_cache": flush_cache, "session_id": session_id},
-        )
+        return self.post("/weight_sync/end",
+                         {"weight_version": version, "flush_cache": flush_cache, "session_id": session_id})
 
     def abort(self, session_id: Optional[str], reason: str) -> None:
         self.post("/weight_sync/abort", {"reason": reason, "session_id": session_id})
@@ -60,7 +55,7 @@ class EngineSession:
 
 
 class CallerPausedSession:
-    def __init__(self, call_all: CallAll):
+    def __init__(self, call_all: Callable[..., List[Any]]):
         self.call_all = call_all
 
     def begin(self) -> Optional[str]:
@@ -77,7 +72,7 @@ class CallerPausedSession:
             logger.error("[RDT] abort did not reach every rank: %s", e)
 
 
-def make_session(url: Optional[str], engine: Any, call_all: CallAll, lease_s: float,
+def make_session(url: Optional[str], engine: Any, call_all: Callable[..., List[Any]], lease_s: float,
                  call_timeout_s: float, api_key: Optional[str] = None):
     if url:
         return HttpSession(url, lease_s, call_timeout_s + 30, api_key)

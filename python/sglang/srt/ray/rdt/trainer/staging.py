@@ -33,10 +33,7 @@ class StagingPool:
     def _snapshot(self) -> List[dict]:
         if self.pool is None:
             return []
-        try:
-            snap = self.pool.snapshot(include_traces=False)
-        except TypeError:  # (an older torch: no such argument)
-            snap = self.pool.snapshot()
+        snap = self.pool.snapshot(include_traces=False)
         return [s for s in snap if s.get("device", self.device.index) == self.device.index]
 
     def segments(self) -> List[Tuple[int, int]]:
@@ -62,17 +59,15 @@ def acquire(device) -> StagingPool:
         return pool
 
 
-def release(pool: Optional[StagingPool]) -> bool:
-    """Drop one user of ``pool``; the last one frees it (only once the ranks released their mappings). Returns
-    whether it was freed."""
+def release(pool: Optional[StagingPool]) -> None:
+    """Drop one user of ``pool``; the last one frees it (only once the ranks released their mappings)."""
     if pool is None:
-        return False
+        return
     with _lock:
         pool.users -= 1
         if pool.users > 0:
-            return False
+            return
         _pools.pop(pool.device.index, None)
     same_node.keep(pool.device.index, pool.segments, add=False)  # its segments may be handed out anew
     pool.pool = None  # the allocator frees the pool once nothing references it
     torch.cuda.empty_cache()
-    return True

@@ -60,12 +60,10 @@ class UpdateStats:
         return asdict(self)
 
     def summary(self) -> str:
-        return (
-            f"{self.tensors} tensors, {describe_bytes(self.bytes)} to {self.ranks} "
-            f"rank{'s' if self.ranks != 1 else ''} in {len(self.buckets)} step"
-            f"{'s' if len(self.buckets) != 1 else ''} ({self.path}): transfer "
-            f"{self.transfer_seconds:.3f} s ({self.gbps:.3f} GB/s), update {self.seconds:.3f} s, "
-            f"transport={self.transport}, weight_version={self.version}"
-            + (f", gathered {describe_bytes(self.gathered_bytes)}" if self.gathered_bytes else "")
-            + (f", staging pool {describe_bytes(self.pool_bytes)}" if self.pool_bytes else "")
-        )
+        return (f"{self.tensors} tensors, {describe_bytes(self.bytes)} to {self.ranks} "
+                f"rank{'s' if self.ranks != 1 else ''} in {len(self.buckets)} step"
+                f"{'s' if len(self.buckets) != 1 else ''} ({self.path}): transfer "
+                f"{self.transfer_seconds:.3f} s ({self.gbps:.3f} GB/s), update {self.seconds:.3f} s, "
+                f"transport={self.transport}, weight_version={self.version}"
+                + (f", gathered {describe_bytes(self.gathered_bytes)}" if self.gathered_bytes else "")
+                + (f", staging pool {describe_bytes(self.pool_bytes)}" if self.pool_bytes else ""))

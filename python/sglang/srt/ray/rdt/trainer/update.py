@@ -60,11 +60,9 @@ class Update:
     max_held: int = 0
     gathered: int = 0  # bytes gathered into the slots (not read where the trainer made them)
     in_place: bool = False  # a mapping: read where it is (every tensor in kept memory)
-    tensors: int = 0
-    payload_bytes: int = 0
     moved_bytes: int = 0
     t_first: Optional[float] = None
-    # set by run(): the client's route, the rank groups, what each was sent
+    # set by plan(): the client's route, the rank groups, what each was sent
     route: Any = None
     rank_groups: List[List[int]] = field(default_factory=list)
     sent: List[set] = field(default_factory=list)
@@ -77,33 +75,12 @@ class Update:
 
     def run(self, named) -> UpdateStats:
         t0 = time.perf_counter()
-        c = self.client
-        self.route = c.route()
-        self.wait_s = (c.pull_timeout_s or PULL_TIMEOUT_S) + PULL_WAIT_MARGIN_S
-        self.stream = buckets.is_stream(named)
-        payloads, self.rank_groups = buckets.split_payloads(named, len(c.ranks))
-        self.sent = [set() for _ in self.rank_groups]
-        self._tag = next(c.update_tags)
-        if not self.stream:  # (each mapping looked at once)
-            payloads = [buckets.whole(p) for p in payloads]
-            self.in_place = self.route.direct and all(self._readable(p) for p in payloads)
-        self.group_bytes = group_bytes_for(self.in_place or (self.stream and self.route.direct),
-                                           self.bucket_bytes, self.stream)
-        steps = buckets.steps(payloads, self.rank_groups, self.group_bytes)
-        self.slot_bytes = self.bucket_bytes
-        if not self.stream:  # every layout checked before anything moves
-            planned = [self._check(step) for step in steps]
-            if not self.in_place:
-                self.slot_bytes = max(buckets.slot_layout(step)[1] for step in planned)
-            if self.strict:
-                for rg, payload in enumerate(payloads):
-                    for r in self.rank_groups[rg]:
-                        buckets.check_strict(payload.names, c.parameter_layouts()[r], c.labels[r])
-            self.total = len(planned)
-            steps = iter(planned)
+        self._tag = next(self.client.update_tags)
+        steps = self.plan(named)
+        if not self.stream:
             self.plan_seconds = time.perf_counter() - t0
         try:
-            self._transfer(steps)
+            self._transfer(iter(steps))
             self._finish()
         except BaseException as e:
             still = self._settle()
@@ -114,22 +91,49 @@ class Update:
             raise
         return self._stats(t0)
 
+    def plan(self, named):
+        """The steps of ``named``: an iterator's, made as they are sent; a mapping's, listed with every layout
+        checked before anything moves (:meth:`WeightSyncClient.register` prepares them)."""
+        c = self.client
+        self.route = c.route()
+        self.wait_s = (c.pull_timeout_s or PULL_TIMEOUT_S) + PULL_WAIT_MARGIN_S
+        self.stream = buckets.is_stream(named)
+        payloads, self.rank_groups = buckets.split_payloads(named, len(c.ranks))
+        self.sent = [set() for _ in self.rank_groups]
+        if not self.stream:  # (each mapping looked at once)
+            payloads = [buckets.whole(p) for p in payloads]
+            self.in_place = self.route.direct and all(readable_in_place(p, c.device_obj) for p in payloads)
+        self.group_bytes = group_bytes_for(self.in_place or (self.stream and self.route.direct),
+                                           self.bucket_bytes, self.stream)
+        steps = buckets.steps(payloads, self.rank_groups, self.group_bytes)
+        self.slot_bytes = self.bucket_bytes
+        if self.stream:
+            return steps
+        planned = [self._check(step) for step in steps]
+        if not self.in_place:
+            self.slot_bytes = max(buckets.slot_layout(step)[1] for step in planned)
+        if self.strict:
+            for rg, payload in enumerate(payloads):
+                for r in self.rank_groups[rg]:
+                    buckets.check_strict(payload.names, c.parameter_layouts()[r], c.labels[r])
+        self.total = len(planned)
+        return planned
+
     def _check(self, step):
         c = self.client
         for rg, group in step:
             c.layouts_book.assign(rg, group, self.rank_groups[rg], c.parameter_layouts(), c.labels)
         return step
 
-    def _readable(self, tensors) -> bool:
-        return readable_in_place(tensors, self.client.device_obj)
-
     def _transfer(self, steps) -> None:
         while True:
             while self.flights and not self._room():
                 self._land(self.flights.popleft())
-            step = self._next(steps)
+            step = next(steps, None)  # (an iterator's tensors are made now, where its code makes them)
             if step is None:
                 break
+            if self.stream:
+                self._check(step)
             self._send(step)
         while self.flights:
             self._land(self.flights.popleft())
@@ -143,13 +147,6 @@ class Update:
             return len(self.flights) < 2
         return self.held + self.group_bytes <= 2 * self.bucket_bytes
 
-    def _next(self, steps):
-        """The next step (an iterator's tensors are made now, where its code makes them)."""
-        step = next(steps, None)
-        if step is not None and self.stream:
-            self._check(step)
-        return step
-
     def _send(self, step) -> None:
         """Make ``step`` readable and ask its ranks to pull it (in flight from here on)."""
         c = self.client
@@ -158,7 +155,7 @@ class Update:
             self.t_first = time.perf_counter()
         t0 = time.perf_counter()
         if self.in_place or (self.stream and self.route.direct and all(
-                self._readable(g) for _, g in step)):
+                readable_in_place(g, c.device_obj) for _, g in step)):
             flight = self._describe(index, step)
         else:
             flight = self._fill(index, step)
@@ -169,21 +166,17 @@ class Update:
             self.session_id = c.session.begin()
             self.session_open = True
             self.begin_seconds = time.perf_counter() - t1
-        timeout = c.pull_timeout_s
         flight.sent_at = time.perf_counter()
-        # Over a lane a rank may answer once its copy is queued (fenced); _land waits on its event.
-        fence = True
         for (rg, group), (ref, meta) in zip(step, flight.sources):
             for r in self.rank_groups[rg]:
                 try:
-                    if r in self.route.lanes:
-                        call = c.lanes.pull(r, group, meta, timeout, fence=fence)
+                    if r in self.route.lanes:  # it may answer once its copy is queued: _land waits on its fence
+                        call = c.lanes.pull(r, group, meta, c.pull_timeout_s, fence=True)
                         self.lane_calls += 1
                     else:
-                        call = c.ranks[r].actor.pull_weights.remote([ref], group.names, timeout)
+                        call = c.ranks[r].actor.pull_weights.remote([ref], group.names, c.pull_timeout_s)
                 except Exception as e:  # (the pulls already sent are settled: the flight holds them)
-                    raise WeightSyncRankError(r, c.ranks[r].name, f"pull of step {index + 1}", e,
-                                              [(r, e)]) from e
+                    raise WeightSyncRankError(r, c.ranks[r].name, f"pull of step {index + 1}", e, [(r, e)]) from e
                 flight.calls.append((r, call))
             if self.stream and self.strict:  # (a mapping was checked whole before)
                 self.sent[rg].update(group.names)
@@ -210,8 +203,7 @@ class Update:
             c.sender.prepare(max(need, self.slot_bytes), c.ranks)
         while len([f for f in self.flights if f.slot is not None]) >= 2:
             self._land(self.flights.popleft())  # (a stream: both slots in flight)
-        busy = {f.slot for f in self.flights}
-        slot, token = min({0, 1} - busy), f"update {self._tag} step {index}"
+        slot, token = min({0, 1} - {f.slot for f in self.flights}), f"update {self._tag} step {index}"
         flight = Flight(index, step, [], 0.0, slot=slot, token=token)
         local = any(r in self.route.lanes for rg, _ in step for r in self.rank_groups[rg])
         ray_ranks = any(r not in self.route.lanes for rg, _ in step for r in self.rank_groups[rg])
@@ -230,27 +222,23 @@ class Update:
             # fenced: the ranks' copies may still read the trainer's memory
             fenced = [r for r, call in flight.calls if isinstance(call, LaneCall) and results[r].get("fenced")]
             deadline = time.monotonic() + self.wait_s
-            fence_s = max((c.lanes.wait_fence(r, deadline) for r in fenced), default=None)
+            fence_s = max((c.lanes.links[r].wait_fence(deadline) for r in fenced), default=None)
         except BaseException:
             self.flights.appendleft(flight)  # settled (and its slot freed) with the others
             raise
         for r, call in flight.calls:
             if isinstance(call, LaneCall):
                 c.lanes.defined(r, call)
-        self.held -= flight.held_bytes
-        nbytes = sum(g.nbytes for _, g in flight.step)
-        ntensors = sum(len(g.names) for _, g in flight.step)
-        self.tensors += ntensors
-        self.payload_bytes += nbytes
-        self.moved_bytes += sum(g.nbytes * len(self.rank_groups[rg]) for rg, g in flight.step)
-        for r, _ in flight.calls:
             for t in str(results[r].get("transport") or "").split(","):
                 if t and t not in self.paths:
                     self.paths.append(t)
+        self.held -= flight.held_bytes
+        nbytes = sum(g.nbytes for _, g in flight.step)
+        self.moved_bytes += sum(g.nbytes * len(self.rank_groups[rg]) for rg, g in flight.step)
         rank_seconds = [float(results[r].get("seconds", 0.0)) for r, _ in flight.calls]
         slowest = max(rank_seconds, default=0.0)
-        stats = BucketStats(index=flight.index, tensors=ntensors, bytes=nbytes, ranks=len(flight.calls),
-                            fill_seconds=flight.fill_seconds, pull_seconds=slowest,
+        stats = BucketStats(index=flight.index, tensors=sum(len(g.names) for _, g in flight.step), bytes=nbytes,
+                            ranks=len(flight.calls), fill_seconds=flight.fill_seconds, pull_seconds=slowest,
                             gbps=nbytes / slowest / 1e9 if slowest > 0 else 0.0,
                             rank_seconds=rank_seconds, sent_at=flight.sent_at, received_at=received_at)
         if flight.calls:
@@ -303,8 +291,7 @@ class Update:
             if flight.slot is None:
                 continue
             if unfinished(flight.calls):
-                logger.error("[RDT] pulls of bucket slot %d did not return; it stays reserved",
-                             flight.slot)
+                logger.error("[RDT] pulls of bucket slot %d did not return; it stays reserved", flight.slot)
                 c.stuck.append(flight)
                 continue
             try:
@@ -330,18 +317,16 @@ class Update:
 
     def _stats(self, t0: float) -> UpdateStats:
         transfer = time.perf_counter() - (self.t_first or t0) - self.end_seconds
+        payload = sum(b.bytes for b in self.steps_done)
         return UpdateStats(
-            version=self.version, tensors=self.tensors, bytes=self.payload_bytes,
+            version=self.version, tensors=sum(b.tensors for b in self.steps_done), bytes=payload,
             bytes_moved=self.moved_bytes, ranks=len(self.client.ranks), buckets=self.steps_done,
             seconds=time.perf_counter() - t0, transfer_seconds=transfer,
             begin_seconds=self.begin_seconds, end_seconds=self.end_seconds, plan_seconds=self.plan_seconds,
-            gbps=self.payload_bytes / transfer / 1e9 if transfer > 0 else 0.0,
-            path="direct" if not self.gathered else "buckets" if self.gathered >= self.payload_bytes
-            else "direct+buckets",
+            gbps=payload / transfer / 1e9 if transfer > 0 else 0.0,
+            path="direct" if not self.gathered else "buckets" if self.gathered >= payload else "direct+buckets",
             transport=",".join(self.paths) or "none", lane_calls=self.lane_calls,
-            held_bytes=self.max_held, gathered_bytes=self.gathered,
-            pool_bytes=self.client.pool_bytes(),
-        )
+            held_bytes=self.max_held, gathered_bytes=self.gathered, pool_bytes=self.client.pool_bytes())
 
 
 def readable_in_place(group: buckets.Group, device) -> bool:

@@ -42,12 +42,9 @@ def _readv():
     global _libc
     with _libc_lock:
         if _libc is None:
-            lib = ctypes.CDLL(None, use_errno=True)
-            fn = lib.process_vm_readv
-            fn.argtypes = [
-                ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong,
-            ]
+            fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+            fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                           ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
             fn.restype = ctypes.c_ssize_t
             _libc = fn
         return _libc
@@ -192,8 +189,7 @@ def export_cma(ptrs: np.ndarray, nbytes: np.ndarray, token: str, node_id: str) -
     start = _START_TIME[pid]
     if start is None:
         return None
-    return CmaPart(node_id=node_id, sender=token, pid=os.getpid(), start_time=start,
-                   address=ptrs, nbytes=nbytes)
+    return CmaPart(node_id=node_id, sender=token, pid=pid, start_time=start, address=ptrs, nbytes=nbytes)
 
 
 class CmaPath:
@@ -215,8 +211,7 @@ class CmaPath:
         if node_id != part.node_id:
             return "the sender is on another node"
         if process_start_time(part.pid) != part.start_time:
-            return (f"the sender process {part.pid} is not visible from here (another PID "
-                    "namespace?) or has exited")
+            return f"the sender process {part.pid} is not visible from here (another PID namespace?) or has exited"
         return self._denied.get(part.pid)
 
     def reader(self) -> CmaReader:
@@ -229,8 +224,7 @@ class CmaPath:
         """Read ``part``'s tensors into ``targets`` (``copy=False``: only check that they can be read)."""
         t0 = time.perf_counter()
         targets.check(part.nbytes)
-        res = ReadResult("cma", len(targets.tensors), int(part.nbytes.sum()), 0.0,
-                         method="process_vm_readv")
+        res = ReadResult("cma", len(targets.tensors), int(part.nbytes.sum()), 0.0, method="process_vm_readv")
         copies = merge_copies(targets.ptrs, part.address, part.nbytes)
         if copies:
             reader = self.reader()
@@ -243,8 +237,7 @@ class CmaPath:
                 try:
                     reader.read(part.pid, copies)
                 except CmaError as e:
-                    raise RuntimeError(
-                        f"process_vm_readv from sender pid {part.pid} broke mid-way: {e}") from e
+                    raise RuntimeError(f"process_vm_readv from sender pid {part.pid} broke mid-way: {e}") from e
                 if process_start_time(part.pid) != part.start_time:
                     raise RuntimeError(f"the sender process {part.pid} exited during the read; "
                                        "the bytes read cannot be trusted")

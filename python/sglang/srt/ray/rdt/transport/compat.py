@@ -17,14 +17,14 @@ _checked = False
 _check_lock = threading.Lock()  # the version check runs once
 
 
-def check_versions() -> Optional[str]:
-    """Warn once per process when Ray or NIXL is not a version these accessors were written for; return the warning."""
+def check_versions() -> None:
+    """Warn once per process when Ray or NIXL is not a version these accessors were written for."""
     global _checked
     if _checked:  # every ref lookup lands here: no lock once done
-        return None
+        return
     with _check_lock:
         if _checked:
-            return None
+            return
         _checked = True
     problems = []
     try:
@@ -33,7 +33,7 @@ def check_versions() -> Optional[str]:
         if ray.__version__ not in RAY_VERSIONS:
             problems.append(f"ray {ray.__version__} (written for {', '.join(RAY_VERSIONS)})")
     except ImportError:
-        return None
+        return
     try:
         from importlib.metadata import version
 
@@ -42,26 +42,17 @@ def check_versions() -> Optional[str]:
         nixl_version = None
     if nixl_version is not None and nixl_version not in NIXL_VERSIONS:
         problems.append(f"nixl {nixl_version} (written for {', '.join(NIXL_VERSIONS)})")
-    if not problems:
-        return None
-    message = (
-        "[RDT] weight sync reaches into private parts of "
-        + " and ".join(problems)
-        + "; if a weight-sync call fails with an AttributeError or ImportError, "
-        "sglang/srt/ray/rdt/transport/compat.py is the place to update"
-    )
-    logger.warning(message)
-    return message
+    if problems:
+        logger.warning("[RDT] weight sync reaches into private parts of %s; if a weight-sync call fails with an "
+                       "AttributeError or ImportError, sglang/srt/ray/rdt/transport/compat.py is the place to update",
+                       " and ".join(problems))
 
 
 def transport_base_classes() -> Tuple[type, type, type]:
     """Ray's (CommunicatorMetadata, TensorTransportManager, TensorTransportMetadata); ``object`` without Ray."""
     try:
-        from ray.experimental.rdt.tensor_transport_manager import (
-            CommunicatorMetadata,
-            TensorTransportManager,
-            TensorTransportMetadata,
-        )
+        from ray.experimental.rdt.tensor_transport_manager import (CommunicatorMetadata, TensorTransportManager,
+                                                                   TensorTransportMetadata)
     except ImportError:  # pragma: no cover - Ray without RDT
         return object, object, object
     return CommunicatorMetadata, TensorTransportManager, TensorTransportMetadata

@@ -5,6 +5,7 @@ Loaded on first use (:func:`driver`): importing this module needs neither a GPU 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -63,15 +64,13 @@ class _Driver:
         self.cuDeviceGetAttribute = fn(["cuDeviceGetAttribute"],
                                        [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int])
         # CUDA 12.8+: one call for a list of copies (13.x: _v2, without failIdx).
-        self._batch_v2 = True
-        try:
+        self._batch_v2 = hasattr(lib, "cuMemcpyBatchAsync_v2")
+        if self._batch_v2:
             self.cuMemcpyBatchAsync = fn(["cuMemcpyBatchAsync_v2"], [p, p, p, sz, p, p, sz, p])
-        except AttributeError:
-            self._batch_v2 = False
-            try:
-                self.cuMemcpyBatchAsync = fn(["cuMemcpyBatchAsync"], [p, p, p, sz, p, p, sz, p, p])
-            except AttributeError:
-                self.cuMemcpyBatchAsync = None
+        elif hasattr(lib, "cuMemcpyBatchAsync"):
+            self.cuMemcpyBatchAsync = fn(["cuMemcpyBatchAsync"], [p, p, p, sz, p, p, sz, p, p])
+        else:
+            self.cuMemcpyBatchAsync = None
         self.check("cuInit", self.cuInit(0))
         self._ctx: Dict[int, int] = {}
 
@@ -84,9 +83,8 @@ class _Driver:
     def primary_ctx(self, ordinal: int) -> int:
         ctx = self._ctx.get(ordinal)
         if ctx is None:
-            dev = ctypes.c_int()
+            dev, c = ctypes.c_int(), ctypes.c_void_p()
             self.check("cuDeviceGet", self.cuDeviceGet(ctypes.byref(dev), ordinal))
-            c = ctypes.c_void_p()
             self.check("cuDevicePrimaryCtxRetain", self.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev))
             ctx = self._ctx[ordinal] = c.value
         return ctx
@@ -99,18 +97,14 @@ class _Driver:
         self.check("cuCtxPopCurrent", self.cuCtxPopCurrent(ctypes.byref(c)))
 
     def enable_peer_access(self, from_ordinal: int, to_ordinal: int) -> None:
-        self.push(from_ordinal)
-        try:
+        with pushed(self, from_ordinal):
             rc = self.cuCtxEnablePeerAccess(ctypes.c_void_p(self.primary_ctx(to_ordinal)), 0)
             if rc not in (0, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
                 self.check("cuCtxEnablePeerAccess", rc)
-        finally:
-            self.pop()
 
     def address_range(self, ptr: int) -> Tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self.check("cuMemGetAddressRange",
-                   self.cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), ptr))
+        self.check("cuMemGetAddressRange", self.cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), ptr))
         return base.value, size.value
 
     def buffer_id(self, ptr: int) -> Optional[int]:
@@ -258,8 +252,7 @@ def compile_ptx(source: str, arch: str) -> bytes:
     """PTX of ``source`` for ``arch`` (e.g. ``compute_90``) with NVRTC."""
     lib = _load_nvrtc()
     prog = ctypes.c_void_p()
-    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"sglang_rdt_copy.cu",
-                                0, None, None)
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"sglang_rdt_copy.cu", 0, None, None)
     if rc != 0:
         raise CudaDriverError("nvrtcCreateProgram", rc, "NVRTC error")
 
@@ -294,19 +287,13 @@ class CopyKernel:
         except CudaDriverError:  # an NVRTC older than the device: the driver JITs older PTX
             ptx = compile_ptx(_KERNEL_SRC, "compute_75")
         self._ptx = ctypes.create_string_buffer(ptx)
-        self.grid_max = KERNEL_BLOCKS_PER_SM * drv.attribute(
-            CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, ordinal)
-        drv.push(ordinal)
-        try:
-            module, func = ctypes.c_void_p(), ctypes.c_void_p()
+        self.grid_max = KERNEL_BLOCKS_PER_SM * drv.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, ordinal)
+        module, func, chunks = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        with pushed(drv, ordinal):
             drv.check("cuModuleLoadData", drv.cuModuleLoadData(ctypes.byref(module), self._ptx))
-            drv.check("cuModuleGetFunction",
-                      drv.cuModuleGetFunction(ctypes.byref(func), module, b"sglang_rdt_copy"))
-            chunks = ctypes.c_void_p()
+            drv.check("cuModuleGetFunction", drv.cuModuleGetFunction(ctypes.byref(func), module, b"sglang_rdt_copy"))
             drv.check("cuModuleGetFunction",
                       drv.cuModuleGetFunction(ctypes.byref(chunks), module, b"sglang_rdt_chunks"))
-        finally:
-            drv.pop()
         self._module, self._func, self._chunks = module, func, chunks
 
     def table(self, dst, src, nbytes, same_dst: bool = False):
@@ -326,32 +313,24 @@ class CopyKernel:
         grid = max(1, min((32 * n + TABLE_THREADS - 1) // TABLE_THREADS, self.grid_max * 8))
         args = [ctypes.c_uint64(rows_dev.data_ptr()), ctypes.c_int(n), ctypes.c_uint64(out.data_ptr()),
                 ctypes.c_uint64(CHUNK_BYTES), ctypes.c_int(1 if same_dst else 0)]
-        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
         stream = torch.cuda.current_stream(self.ordinal).cuda_stream
-        drv = driver()
-        drv.push(self.ordinal)
-        try:
-            drv.check("cuLaunchKernel", drv.cuLaunchKernel(
-                self._chunks, grid, 1, 1, TABLE_THREADS, 1, 1, 0, ctypes.c_void_p(stream), params, None))
-        finally:
-            drv.pop()
+        self._launch(self._chunks, grid, TABLE_THREADS, stream, args)
         return out  # rows_dev is freed in stream order, after the kernel read it
 
     def launch(self, table_ptr: int, nchunks: int, stream: int) -> None:
         """Copy the ``nchunks`` rows ``(dst, src, nbytes)`` of the table at ``table_ptr`` on ``stream``."""
         if nchunks <= 0:
             return
+        args = [ctypes.c_uint64(table_ptr), ctypes.c_int(nchunks)]
+        self._launch(self._func, max(1, min(nchunks, self.grid_max)), KERNEL_THREADS, stream, args)
+
+    def _launch(self, func, grid: int, threads: int, stream: int, args) -> None:
+        """Queue ``func`` on ``stream`` with ``args`` (ctypes values) as its parameters."""
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
         drv = driver()
-        arg_tab, arg_n = ctypes.c_uint64(table_ptr), ctypes.c_int(nchunks)
-        params = (ctypes.c_void_p * 2)(ctypes.cast(ctypes.byref(arg_tab), ctypes.c_void_p),
-                                       ctypes.cast(ctypes.byref(arg_n), ctypes.c_void_p))
-        grid = max(1, min(nchunks, self.grid_max))
-        drv.push(self.ordinal)
-        try:
+        with pushed(drv, self.ordinal):
             drv.check("cuLaunchKernel", drv.cuLaunchKernel(
-                self._func, grid, 1, 1, KERNEL_THREADS, 1, 1, 0, ctypes.c_void_p(stream), params, None))
-        finally:
-            drv.pop()
+                func, grid, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream), params, None))
 
 
 def copy_rows(dst, src, nbytes, chunk: int = CHUNK_BYTES):
@@ -391,6 +370,16 @@ def driver() -> _Driver:
         if _driver is None:
             _driver = _Driver()
         return _driver
+
+
+@contextlib.contextmanager
+def pushed(drv: _Driver, ordinal: int):
+    """``drv`` with GPU ``ordinal``'s primary context current (pushed here, popped on the way out)."""
+    drv.push(ordinal)
+    try:
+        yield drv
+    finally:
+        drv.pop()
 
 
 def copy_kernel(ordinal: int) -> CopyKernel:

@@ -38,8 +38,7 @@ class NotKept(ValueError):
     """Tensor ``index`` does not lie in kept memory: gather it into kept memory first."""
 
     def __init__(self, index: int):
-        super().__init__(f"tensor {index} does not lie in kept memory (the staging pool or a "
-                         "registered buffer)")
+        super().__init__(f"tensor {index} does not lie in kept memory (the staging pool or a registered buffer)")
         self.index = index
 
 
@@ -103,12 +102,7 @@ class CudaIpcExporter:
         """Per tensor (contiguous, at ``ptrs``, on GPU ``ordinal``): whether it lies in kept memory."""
         with self._lock:
             self._check_frees(ordinal)
-            table = self._tables.get(ordinal)
-            ok = table.find(ptrs, nbytes)[1] if table is not None else np.zeros(len(ptrs), bool)
-            if not ok.all():
-                table = self._tables[ordinal] = self._build(ordinal, table)
-                ok = table.find(ptrs, nbytes)[1]
-            return ok
+            return self._find(ptrs, nbytes, ordinal)[2]
 
     def export(self, ptrs: np.ndarray, nbytes: np.ndarray, ordinal: int, node_id: str) -> IpcPart:
         """An :class:`IpcPart` of contiguous tensors at ``ptrs`` (``nbytes`` each, GPU ``ordinal``); raises NotKept."""
@@ -118,25 +112,26 @@ class CudaIpcExporter:
             part = self._parts.get(key)
             if part is not None:
                 return part
-            table = self._tables.get(ordinal)
-            idx, ok = table.find(ptrs, nbytes) if table is not None else (None, np.zeros(len(ptrs), bool))
+            table, idx, ok = self._find(ptrs, nbytes, ordinal)
             if not ok.all():
-                table = self._tables[ordinal] = self._build(ordinal, table)
-                idx, ok = table.find(ptrs, nbytes)
-                if not ok.all():
-                    raise NotKept(int(np.flatnonzero(~ok)[0]))
-            used = np.unique(idx)
-            seg = np.searchsorted(used, idx)
-            entries = [table.entries[j] for j in used]
-            bases = np.array([e[0] for e in entries], np.int64)
-            part = IpcPart(node_id=node_id, sender=self.token, pid=os.getpid(),
-                           device_uuid=device_uuid(ordinal), segments=[e[:3] for e in entries],
-                           seg=seg.astype(np.int64), offset=ptrs - bases[seg], nbytes=nbytes,
-                           kept_id=next(self._kept_ids))
+                raise NotKept(int(np.flatnonzero(~ok)[0]))
+            used, seg = np.unique(idx, return_inverse=True)
+            part = IpcPart(node_id=node_id, sender=self.token, pid=os.getpid(), device_uuid=device_uuid(ordinal),
+                           segments=[table.entries[j][:3] for j in used], seg=seg.astype(np.int64),
+                           offset=ptrs - table.bases[used][seg], nbytes=nbytes, kept_id=next(self._kept_ids))
             if len(self._parts) >= self.max_parts:
                 self._parts.clear()
             self._parts[key] = part
             return part
+
+    def _find(self, ptrs: np.ndarray, nbytes: np.ndarray, ordinal: int) -> Tuple[_KeptTable, np.ndarray, np.ndarray]:
+        """GPU ``ordinal``'s table and :meth:`_KeptTable.find` of the tensors in it, rebuilt if some lie outside."""
+        table = self._tables.get(ordinal)
+        idx, ok = table.find(ptrs, nbytes) if table is not None else (None, np.zeros(len(ptrs), bool))
+        if not ok.all():
+            table = self._tables[ordinal] = self._build(ordinal, table)
+            idx, ok = table.find(ptrs, nbytes)
+        return table, idx, ok
 
     def _check_frees(self, ordinal: int) -> None:
         """Rebuild the table if the device freed memory and a kept segment's allocation id changed."""
@@ -145,24 +140,18 @@ class CudaIpcExporter:
             self._frees[ordinal] = frees
             table = self._tables.get(ordinal)
             if table is not None:
-                drv = cuda_driver.driver()
-                drv.push(ordinal)
-                try:
+                with cuda_driver.pushed(cuda_driver.driver(), ordinal) as drv:
                     changed = any(drv.buffer_id(e[0]) != e[3] for e in table.entries)
-                finally:
-                    drv.pop()
                 if changed:
                     self._tables[ordinal] = self._build(ordinal, table)
                     self._parts.clear()  # their handles may be stale
 
     def _build(self, ordinal: int, old: Optional[_KeptTable]) -> _KeptTable:
-        drv = cuda_driver.driver()
         known = {e[0]: e for e in (old.entries if old is not None else ())}
         segments = {}
         for source in self._sources.get(ordinal, []):
             segments.update(dict(source()))
-        drv.push(ordinal)
-        try:
+        with cuda_driver.pushed(cuda_driver.driver(), ordinal) as drv:
             for ptr in self._registered.get(ordinal, ()):
                 base, size = drv.address_range(ptr)
                 segments[base] = size
@@ -173,8 +162,6 @@ class CudaIpcExporter:
                 if e is None or e[1] != size or e[3] != bid:
                     e = (base, size, drv.ipc_handle(base), bid)
                 entries.append(e)
-        finally:
-            drv.pop()
         return _KeptTable(entries)
 
 
@@ -247,8 +234,7 @@ class CudaIpcReader:
             return f"target buffers on {device}"
         return None
 
-    def read(self, part: IpcPart, targets: Targets, device, copy: bool = True,
-             fence: bool = False) -> ReadResult:
+    def read(self, part: IpcPart, targets: Targets, device, copy: bool = True, fence: bool = False) -> ReadResult:
         """Copy ``part``'s tensors into ``targets`` on ``device`` (``copy=False``: only map and make the kernel table;
         ``fence``: return with the copy queued and this reader's event recorded after it). Raises
         :class:`MappingFailed`, before any byte moved, when a segment cannot be mapped."""
@@ -258,29 +244,24 @@ class CudaIpcReader:
         src_ord = self.ordinal(part.device_uuid)
         res = ReadResult("cuda_ipc", len(targets.tensors), int(part.nbytes.sum()), 0.0)
         stream = torch.cuda.current_stream(dst_ord)
-        with self.lock:
-            drv = cuda_driver.driver()
-            drv.push(dst_ord)
-            try:
-                self._settle_locked()
-                src = self._sources(drv, part, dst_ord, res, copy)
-                if copy and len(targets.tensors):
-                    t1 = time.perf_counter()
-                    res.method = self._copy(drv, targets, src, part.nbytes, src_ord, dst_ord)
-                    if fence:
-                        ev = self._fence_locked(dst_ord)
-                        ev.record(stream)
-                        self._unsettled, res.fenced = ev, True
-                    else:
-                        stream.synchronize()
-                    res.copy_seconds = time.perf_counter() - t1
-                elif len(targets.tensors) and src_ord == dst_ord:
-                    kernel = self._kernel(dst_ord)
-                    if kernel is not None:  # the first read's table
-                        self._table(kernel, targets, src, part.nbytes)
-                        stream.synchronize()  # (a pull may run on another stream)
-            finally:
-                drv.pop()
+        with self.lock, cuda_driver.pushed(cuda_driver.driver(), dst_ord) as drv:
+            self._settle_locked()
+            src = self._sources(drv, part, dst_ord, res, copy)
+            if copy and len(targets.tensors):
+                t1 = time.perf_counter()
+                res.method = self._copy(drv, targets, src, part.nbytes, src_ord, dst_ord)
+                if fence:
+                    ev = self._fence_locked(dst_ord)
+                    ev.record(stream)
+                    self._unsettled, res.fenced = ev, True
+                else:
+                    stream.synchronize()
+                res.copy_seconds = time.perf_counter() - t1
+            elif len(targets.tensors) and src_ord == dst_ord:
+                kernel = self._kernel(dst_ord)
+                if kernel is not None:  # the first read's table
+                    self._table(kernel, targets, src, part.nbytes)
+                    stream.synchronize()  # (a pull may run on another stream)
         res.seconds = time.perf_counter() - t0
         return res
 
@@ -316,10 +297,15 @@ class CudaIpcReader:
             else:
                 res.reused += 1
             out[i] = m.ptr
-        if len({s for s, _ in self.kept}) > self.max_kept_senders:
-            self._evict_oldest(drv, part.sender)
+        senders = list(dict.fromkeys(s for s, _ in self.kept))  # oldest first: evict those beyond max_kept_senders
+        for sender in senders[: max(0, len(senders) - self.max_kept_senders)]:
+            if sender != part.sender:
+                self._release_locked(lambda key, m, s=sender: key[0] == s)
         if opened:
-            self._start_watch()
+            if self._watch is None:
+                self._watch = threading.Thread(target=_watch_senders, args=(weakref.ref(self),),
+                                               name="rdt-ipc-watch", daemon=True)
+                self._watch.start()
             if touch:
                 self._touch(opened, ordinal)
         return out
@@ -331,8 +317,7 @@ class CudaIpcReader:
             return
         try:
             scratch = torch.empty(cuda_driver.CHUNK_BYTES, dtype=torch.uint8, device=torch.device("cuda", ordinal))
-            src = np.array([p for p, _ in mappings], np.int64)
-            n = np.array([size for _, size in mappings], np.int64)
+            src, n = np.array(mappings, np.int64).T  # (address, size) rows
             table = kernel.table(np.full(len(src), scratch.data_ptr(), np.int64), src, n, same_dst=True)
             stream = torch.cuda.current_stream(ordinal)
             kernel.launch(table.data_ptr(), table.numel() // 3, stream.cuda_stream)
@@ -340,8 +325,7 @@ class CudaIpcReader:
         except Exception as e:  # a warm-up: the mapping itself is done
             logger.debug("[RDT] reading kept segments ahead of use failed: %s", e)
 
-    def _copy(self, drv, targets: Targets, src: np.ndarray, nbytes: np.ndarray,
-              src_ord: int, dst_ord: int) -> str:
+    def _copy(self, drv, targets: Targets, src: np.ndarray, nbytes: np.ndarray, src_ord: int, dst_ord: int) -> str:
         stream = torch.cuda.current_stream(dst_ord).cuda_stream
         kernel = self._kernel(dst_ord) if src_ord == dst_ord else None
         if kernel is not None:
@@ -387,18 +371,6 @@ class CudaIpcReader:
         except CudaDriverError as e:  # pragma: no cover - best effort
             logger.warning("[RDT] closing a CUDA IPC mapping failed: %s", e)
 
-    def _evict_oldest(self, drv, current: str) -> None:
-        senders = list(dict.fromkeys(s for s, _ in self.kept))
-        for sender in senders[: len(senders) - self.max_kept_senders]:
-            if sender != current:
-                self._release_locked(drv, lambda key, m, s=sender: key[0] == s)
-
-    def _start_watch(self) -> None:
-        if self._watch is None:
-            self._watch = threading.Thread(target=_watch_senders, args=(weakref.ref(self),),
-                                           name="rdt-ipc-watch", daemon=True)
-            self._watch.start()
-
     def release(self, sender: Optional[str] = None, gone_only: bool = False) -> int:
         """Close ``sender``'s kept mappings (None: all; ``gone_only``: of exited processes); returns how many."""
         if not self.kept:
@@ -415,24 +387,21 @@ class CudaIpcReader:
             return not alive[m.pid]
 
         with self.lock:
-            return self._release_locked(None, match)
+            return self._release_locked(match)
 
-    def _release_locked(self, drv, match) -> int:
+    def _release_locked(self, match) -> int:
         keys = [k for k, m in self.kept.items() if match(k, m)]
         if not keys:
             return 0
-        drv = drv or cuda_driver.driver()
+        drv = cuda_driver.driver()
         by_ordinal: Dict[int, List[int]] = {}
         for k in keys:
             m = self.kept.pop(k)
             by_ordinal.setdefault(m.ordinal, []).append(m.ptr)
         for ordinal, ptrs in by_ordinal.items():
-            drv.push(ordinal)
-            try:
+            with cuda_driver.pushed(drv, ordinal):
                 for ptr in ptrs:
                     self._close(drv, ptr)
-            finally:
-                drv.pop()
         self._tables.clear()  # a table may point into a closed mapping
         self._resolved.clear()
         self._gen += 1

@@ -108,8 +108,7 @@ class Targets:
         bad = np.nonzero(nbytes != self.nbytes)[0]
         if len(bad):
             i = int(bad[0])
-            raise ValueError(f"target buffer {i} holds {int(self.nbytes[i])} bytes, the source "
-                             f"tensor {int(nbytes[i])}")
+            raise ValueError(f"target buffer {i} holds {int(self.nbytes[i])} bytes, the source tensor {int(nbytes[i])}")
 
 
 def addresses(tensors) -> Tuple[np.ndarray, np.ndarray]:

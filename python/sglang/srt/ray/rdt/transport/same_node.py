@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from typing import Any, Dict, Optional
@@ -10,7 +11,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from sglang.srt.ray.rdt.transport import tensor_scan
+from sglang.srt.ray.rdt.transport import cuda_driver, tensor_scan
 from sglang.srt.ray.rdt.transport.cma import CmaPath, export_cma
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader, KeptSource, NotKept
 from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransportMetadata, Targets
@@ -18,6 +19,7 @@ from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransport
 __all__ = ["Targets", "export", "kept_mask", "keep", "NotKept", "read", "fence", "settle", "unusable", "release",
            "token", "node_id", "reach"]
 
+logger = logging.getLogger(__name__)
 _TOKEN = uuid.uuid4().hex
 _lock = threading.Lock()  # guards building the exporter and readers once
 _exporter: Optional[CudaIpcExporter] = None
@@ -45,10 +47,8 @@ def reach() -> Dict[str, Any]:
     """Where this process reads from: its Ray node and the UUIDs of the GPUs it sees."""
     global _reach
     if _reach is None:
-        from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
-
-        gpus = [device_uuid(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-        _reach = {"node_id": node_id(), "gpus": gpus}
+        ordinals = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
+        _reach = {"node_id": node_id(), "gpus": [cuda_driver.device_uuid(i) for i in ordinals]}
     return dict(_reach)
 
 
@@ -135,15 +135,12 @@ def fence(device) -> Optional[Dict[str, Any]]:
     """``{"handle": event IPC handle, "gpu": UUID}`` a sender waits on for fenced reads into ``device``, or None."""
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return None
-    from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
-
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        return {"handle": _parts()[1].fence(ordinal).ipc_handle(), "gpu": device_uuid(ordinal)}
+        event = _parts()[1].fence(ordinal)
+        return {"handle": event.ipc_handle(), "gpu": cuda_driver.device_uuid(ordinal)}
     except Exception as e:  # the reads then synchronise here, as before
-        import logging
-
-        logging.getLogger(__name__).info("[RDT] no inter-process event for fenced reads: %s", e)
+        logger.info("[RDT] no inter-process event for fenced reads: %s", e)
         return None
 
 
@@ -162,14 +159,10 @@ def release(sender: Optional[str] = None, gone_only: bool = False) -> int:
 
 def warm(device) -> None:
     """Build the copy kernel of ``device`` now rather than in the first read."""
-    from sglang.srt.ray.rdt.transport.cuda_driver import copy_kernel
-
     try:
-        copy_kernel(device.index if device.index is not None else 0)
+        cuda_driver.copy_kernel(device.index if device.index is not None else 0)
     except Exception as e:  # the read falls back to the copy engine and says why
-        import logging
-
-        logging.getLogger(__name__).info("[RDT] no SM copy kernel: %s", e)
+        logger.info("[RDT] no SM copy kernel: %s", e)
 
 
 def stats() -> Dict[str, int]:

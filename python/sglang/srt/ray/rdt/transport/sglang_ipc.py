@@ -12,12 +12,8 @@ from typing import Any, List
 import torch
 
 from sglang.srt.ray.rdt.transport import compat, nixl_threads, same_node
-from sglang.srt.ray.rdt.transport.metadata import (
-    IpcCommunicatorMetadata,
-    MappingFailed,
-    SglangIpcTransportMetadata,
-    Targets,
-)
+from sglang.srt.ray.rdt.transport.metadata import (IpcCommunicatorMetadata, MappingFailed, SglangIpcTransportMetadata,
+                                                   Targets)
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +61,8 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
         nixl_threads.start_nixl_agent()
         nixl = self._nixl().extract_tensor_transport_metadata(obj_id, rdt_object)
         if device.type == "cuda" and any(t.device != device for t in rdt_object):
-            meta = SglangIpcTransportMetadata(
-                tensor_meta=[(tuple(t.shape), t.dtype) for t in rdt_object], tensor_device="cuda",
-                ipc_unavailable="tensors on several devices")
+            meta = SglangIpcTransportMetadata(tensor_meta=[(tuple(t.shape), t.dtype) for t in rdt_object],
+                                              tensor_device="cuda", ipc_unavailable="tensors on several devices")
         else:
             meta = self._same_node_part(rdt_object)
         meta.nixl = nixl
@@ -88,8 +83,7 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
                 ipc_unavailable=f"{e}: register it with ray.experimental.register_nixl_memory, "
                                 "or put tensors made inside WeightSyncClient.staging()")
 
-    def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata,
-                              target_buffers=None):
+    def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None):
         meta = tensor_transport_metadata
         assert isinstance(meta, SglangIpcTransportMetadata), type(meta)
         if not meta.tensor_meta:
@@ -97,8 +91,7 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
         if target_buffers:
             targets = list(target_buffers)
         else:
-            device = torch.device("cpu") if meta.cma is not None else torch.device(
-                "cuda", torch.cuda.current_device())
+            device = torch.device("cpu") if meta.cma is not None else torch.device("cuda", torch.cuda.current_device())
             targets = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in meta.tensor_meta]
         device = targets[0].device
         why = same_node.unusable(meta, device)
@@ -109,8 +102,7 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
             except MappingFailed as e:  # refused before any byte moved
                 why = str(e)
         if meta.nixl is None:
-            raise ValueError(f"this {TRANSPORT_NAME} ref cannot be read here ({why}) and carries "
-                             "no NIXL metadata")
+            raise ValueError(f"this {TRANSPORT_NAME} ref cannot be read here ({why}) and carries no NIXL metadata")
         if why not in self._warned:
             self._warned.add(why)
             logger.info("[RDT] %s: reading through NIXL (%s)", TRANSPORT_NAME, why)

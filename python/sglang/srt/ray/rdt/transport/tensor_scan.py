@@ -89,11 +89,8 @@ def scan(tensors: List[Any]) -> Scan:
     if mod is not None:
         out = mod.scan(tensors)
         if not isinstance(out, int):
-            ptrs, nbytes, device, dtype, ndim, dims, contiguous = out
-            i64 = np.int64
-            return Scan(np.frombuffer(ptrs, i64), np.frombuffer(nbytes, i64), np.frombuffer(device, i64),
-                        np.frombuffer(dtype, i64), np.frombuffer(ndim, i64), np.frombuffer(dims, i64),
-                        np.frombuffer(contiguous, np.bool_))
+            *int64s, contiguous = out  # ptrs, nbytes, device, dtype, ndim, dims; then a bool per tensor
+            return Scan(*[np.frombuffer(b, np.int64) for b in int64s], np.frombuffer(contiguous, np.bool_))
         if not isinstance(tensors[out], torch.Tensor):
             raise NotATensor(out, tensors[out])
     return _scan_python(tensors)
@@ -109,8 +106,7 @@ def _scan_python(tensors: List[Any]) -> Scan:
     shapes = list(map(_SHAPE, tensors))
     ndim = np.fromiter(map(len, shapes), np.int64, n)
     codes = _dtype_table()[0]
-    dtype = np.fromiter((codes.get(d) if d in codes else _new_code(d) for d in map(_DTYPE, tensors)),
-                        np.int64, n)
+    dtype = np.fromiter((codes.get(d) if d in codes else _new_code(d) for d in map(_DTYPE, tensors)), np.int64, n)
     return Scan(np.fromiter(map(torch.Tensor.data_ptr, tensors), np.int64, n),
                 np.fromiter(map(_NBYTES, tensors), np.int64, n),
                 np.fromiter(map(torch.Tensor.get_device, tensors), np.int64, n),

@@ -280,6 +280,19 @@ LORA_ARGS = ["--model-impl", "sglang", "--enable-lora", "--lora-backend", "torch
 
 
 @pytest.fixture(scope="session")
+def lora_server(ray_head, ray_client, tiny_model, tmp_path_factory):
+    """One TP 1 CPU server with LoRA on (sglang's model code), in the head's namespace, shared by the modules that
+    push adapters and base weights to it and leave it consistent (test_lora_sync, test_docs)."""
+    s = start_server(
+        tiny_model, ray_head,
+        ["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", ray_head.namespace, *LORA_ARGS],
+        tmp_path_factory.mktemp("lora-server"),
+    )
+    yield s
+    s.terminate()
+
+
+@pytest.fixture(scope="session")
 def tp2_server(ray_head, ray_client, tiny_model, tmp_path_factory):
     """One ``--tp-size 2`` CPU server (sglang's model code over gloo, one core
     per rank, LoRA on), shared by the modules that drive a multi-rank engine

@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 
-from conftest import LORA_ARGS, LORA_TARGETS, MemorySource, start_server
+from conftest import LORA_TARGETS, MemorySource
 from sglang.srt.lora.adapter_stash import AdapterStashes, checksum, expected_tensors, split_name
 from sglang.srt.ray.rdt.errors import WeightSyncError
 
@@ -213,13 +213,8 @@ def _push_and_compare(server, ray_head, tmp_path, tp_size):
 
 @pytest.mark.slow
 def test_an_adapter_pushed_over_rdt_serves_what_the_same_adapter_from_disk_serves(
-        ray_head, ray_client, tiny_model, tmp_path):
-    server = start_server(tiny_model, ray_head, ["--backend", "ray", "--enable-rdt-weight-sync",
-                                                 "--ray-namespace", ray_head.namespace, *LORA_ARGS], tmp_path)
-    try:
-        _push_and_compare(server, ray_head, tmp_path, tp_size=1)
-    finally:
-        server.terminate()
+        ray_head, ray_client, lora_server, tmp_path):
+    _push_and_compare(lora_server, ray_head, tmp_path, tp_size=1)
 
 
 @pytest.mark.slow

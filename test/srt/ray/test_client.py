@@ -137,6 +137,10 @@ def test_layout_check_names_the_parameter_expected_and_actual():
         check_tensors(["w"], [(2, 4)], [torch.bfloat16], layout, "rank 1")
     with pytest.raises(WeightSyncError, match=r"no parameter 'ww'.*did you mean 'w'"):
         check_tensors(["ww"], [(4, 4)], [torch.bfloat16], layout, "rank 0")
+    with pytest.raises(WeightSyncError, match=r"no parameter 'ww'.*rollout model's parameter names"):
+        check_tensors(["ww"], [(4, 4)], [torch.bfloat16], layout, "rank 0")
+    with pytest.raises(WeightSyncError, match=r"no parameter 'rl:w'.*Register the LoRA adapter first"):
+        check_tensors(["rl:w"], [(4, 4)], [torch.bfloat16], layout, "rank 0")
     with pytest.raises(WeightSyncError, match=r"strict update: 1 parameters.*\['b'\]"):
         check_strict(["w"], layout, "rank 0")
 

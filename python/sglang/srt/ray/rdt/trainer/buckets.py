@@ -214,8 +214,10 @@ def check_tensors(names: Sequence[str], shapes, dtypes, layout: Mapping[str, Map
     for name, shape, dtype in zip(names, shapes, dtypes):
         want = want_of.get(name)
         if want is None:
-            raise WeightSyncError(f"{rank} has no parameter {name!r}; {close_names(name, layout)} "
-                                  "Send the rollout model's parameter names (get_parameter_layout()).")
+            fix = ("Register the LoRA adapter first (register_lora_adapter); if another process registered it, "
+                   "refresh this client's layouts (parameter_layouts(refresh=True))." if ":" in name else
+                   "Send the rollout model's parameter names (get_parameter_layout()).")
+            raise WeightSyncError(f"{rank} has no parameter {name!r}; {close_names(name, layout)} {fix}")
         if shape != want[0] or dtype != want[2]:
             _mismatch(name, shape, dtype, want, rank)
 

@@ -319,8 +319,11 @@ class WeightSyncClient:
         """Register LoRA adapter ``lora_name`` (``config_dict``: its PEFT adapter_config) on the engine. Returns what
         :meth:`update` must send: ``expected_tensors`` (``"{lora_name}:{PEFT key}"`` -> shape) and ``dtype``."""
         if self.url:
-            return self.session.post("/register_lora_adapter", {"lora_name": lora_name, "config_dict": config_dict})
-        return self._call_entries("register_lora_adapter", lora_name, config_dict, uuid.uuid4().hex)[0]
+            out = self.session.post("/register_lora_adapter", {"lora_name": lora_name, "config_dict": config_dict})
+        else:
+            out = self._call_entries("register_lora_adapter", lora_name, config_dict, uuid.uuid4().hex)[0]
+        self.parameter_layouts(refresh=True)  # the adapter's tensors are in every rank's layout now
+        return out
 
     def hf_resharder(self, model_path: Optional[str] = None):
         """This engine's :class:`~.hf_reshard.HFResharder`, built once (needs ``url=``)."""

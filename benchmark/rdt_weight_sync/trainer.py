@@ -121,7 +121,7 @@ class BenchTrainer:
                                   **opts)
         try:
             t0 = time.perf_counter()
-            client.register(None if mode == "stream" else self._tensors(client, mode))
+            client.register(None if mode.startswith("stream") else self._tensors(client, mode))
             register_s = time.perf_counter() - t0
             gc.collect()
             out = [self._one_update(client, rank, mode, seed0 + r) for r in range(rounds)]
@@ -182,7 +182,7 @@ class BenchTrainer:
                 "generator_seconds": self._made_s,
                 **{k: d[k] for k in ("path", "transport", "lane_calls", "held_bytes", "begin_seconds",
                                      "end_seconds", "plan_seconds", "bytes", "tensors",
-                                     "gathered_bytes", "pool_bytes")},
+                                     "gathered_bytes")},
                 "check": ray.get(rank.verify.remote(seed))}
 
     # -- ceilings in this process ------------------------------------------------- #

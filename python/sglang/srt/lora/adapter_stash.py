@@ -20,7 +20,7 @@ its scheduler port.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
@@ -77,23 +77,49 @@ def checksum(tensors: Dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _carve(flat: torch.Tensor, layout: Dict[str, Tuple[int, ...]]) -> Dict[str, torch.Tensor]:
+    """``layout``'s tensors as consecutive views of ``flat``."""
+    out, at = {}, 0
+    for key, shape in layout.items():
+        n = torch.Size(shape).numel()
+        out[key] = flat[at:at + n].view(shape)
+        at += n
+    return out
+
+
 @dataclass
 class AdapterStash:
-    """One registered adapter on one rank."""
+    """One registered adapter on one rank: ``flat`` (what updates write, viewed as ``tensors``) and a copy of what
+    is served on the same device (``committed``, what a dropped update restores); its checksum is computed when
+    asked, once per commit (hashing on the host is far slower than the update itself)."""
 
     name: str
     lora_id: str
     config: Dict[str, Any]
-    tensors: Dict[str, torch.Tensor]  # PEFT key -> its view of the stash buffer
-    committed: Dict[str, torch.Tensor] = field(default_factory=dict)  # what is served (host copies)
+    flat: torch.Tensor
+    tensors: Dict[str, torch.Tensor]  # PEFT key -> its view of ``flat``
+    served: Optional[torch.Tensor] = None  # a copy of ``flat`` as last committed
     version: int = 0  # commits so far
     weight_version: Optional[str] = None
-    checksum: str = ""
-    last_bytes: int = 0
+    _checksum: Optional[str] = None
+
+    def commit(self) -> None:
+        self.served = self.flat.clone()
+        self._checksum = None
+
+    @property
+    def committed(self) -> Dict[str, torch.Tensor]:
+        return _carve(self.served, {k: tuple(t.shape) for k, t in self.tensors.items()})
+
+    @property
+    def checksum(self) -> str:
+        if self._checksum is None:
+            self._checksum = checksum(self.committed)
+        return self._checksum
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        return self.flat.nbytes
 
     def status(self) -> Dict[str, Any]:
         return {"lora_id": self.lora_id, "version": self.version, "weight_version": self.weight_version,
@@ -117,16 +143,9 @@ class AdapterStashes:
             == layout and next(iter(old.tensors.values())).dtype == dtype
         if same:
             return old, "unchanged"
-        total = sum(torch.Size(s).numel() for s in layout.values())
-        flat = torch.zeros(total, dtype=dtype, device=device)
-        tensors, at = {}, 0
-        for key, shape in layout.items():
-            n = torch.Size(shape).numel()
-            tensors[key] = flat[at:at + n].view(shape)
-            at += n
-        stash = AdapterStash(name, old.lora_id if old else lora_id, dict(config), tensors)
-        stash.committed = {k: t.detach().cpu().clone() for k, t in tensors.items()}
-        stash.checksum = checksum(stash.committed)
+        flat = torch.zeros(sum(torch.Size(s).numel() for s in layout.values()), dtype=dtype, device=device)
+        stash = AdapterStash(name, old.lora_id if old else lora_id, dict(config), flat, _carve(flat, layout))
+        stash.commit()
         self.stashes[name] = stash
         return stash, "created" if old is None else "reconfigured"
 
@@ -148,19 +167,17 @@ class AdapterStashes:
         for name in self.written(names):
             stash = self.stashes[name]
             apply(stash)
-            stash.committed = {k: t.detach().cpu().clone() for k, t in stash.tensors.items()}
-            stash.checksum = checksum(stash.committed)
+            stash.commit()
             stash.version += 1
             stash.weight_version = weight_version
-            moved[name] = stash.last_bytes = stash.nbytes
+            moved[name] = stash.nbytes
         return moved
 
     def restore(self, names: Iterable[str]) -> None:
         """An update dropped: the adapters it wrote in hold what is served again."""
         for name in self.written(names):
             stash = self.stashes[name]
-            for key, t in stash.tensors.items():
-                t.copy_(stash.committed[key])
+            stash.flat.copy_(stash.served)
 
     def status(self) -> Dict[str, Dict[str, Any]]:
         return {name: s.status() for name, s in list(self.stashes.items())}

@@ -155,9 +155,8 @@ class GpuTrainer:
                     t.fill_(-1.0)
                 torch.cuda.synchronize(self.device)
         d = stats.as_dict()
-        keys = ("path", "transport", "lane_calls", "tensors", "bytes", "held_bytes", "gathered_bytes",
-                "pool_bytes")
-        return {k: d[k] for k in keys} | {"steps": len(d["buckets"])}
+        keys = ("path", "transport", "lane_calls", "tensors", "bytes", "held_bytes", "gathered_bytes")
+        return {k: d[k] for k in keys} | {"steps": len(d["buckets"]), "pool_bytes": self.client.pool_bytes()}
 
     def client_warnings(self) -> List[str]:
         """The client's warnings logged in this process so far."""

@@ -181,6 +181,8 @@ class WeightSyncClient:
         if self.url:  # a key that cannot drive updates fails here, before anything moves
             http("GET", self.url, "/weight_sync/ranks", self.api_key, self.call_timeout_s)
         out = self._call_all("register_weight_for_rdt")
+        if self.device_obj.type == "cuda":
+            same_node.warm(self.device_obj)  # the gathers' copy kernel, built here rather than in an update
         self.parameter_layouts(refresh=True)
         self._statuses = None
         self._route = None
@@ -194,7 +196,7 @@ class WeightSyncClient:
                 self._prepare_direct(steps, plan.rank_groups)
             else:
                 self.sender.prepare(plan.slot_bytes, self.ranks)
-        elif not route.direct:  # the slots a stream's steps fill, made (and NIXL-registered) now
+        elif not route.direct or self.device_obj.type == "cuda":  # the slots a stream's steps may be gathered into
             self.sender.prepare(self._slot_bytes_for_any_update() or self.bucket_bytes, self.ranks)
         return out
 

@@ -34,7 +34,7 @@ class UpdateStats:
     ``transfer_seconds``: first fill to last pull's return; ``gbps`` = ``bytes / transfer_seconds``. ``path``:
     ``"direct"`` (ranks read the trainer's tensors), ``"buckets"`` (gathered into the slots) or
     ``"direct+buckets"``. ``gathered_bytes``: what was gathered; ``held_bytes``: the most bytes read in place in
-    flight at once; ``pool_bytes``: what the staging pool holds afterwards (``client.release()`` frees it).
+    flight at once (``client.pool_bytes()``: what the staging pool holds).
     """
 
     version: Optional[str]
@@ -53,7 +53,6 @@ class UpdateStats:
     lane_calls: int = 0  # pulls sent over a rank's same-node lane, not through Ray
     held_bytes: int = 0
     gathered_bytes: int = 0
-    pool_bytes: int = 0
     plan_seconds: float = 0.0  # a mapping: planned and checked whole before anything moved
 
     def as_dict(self) -> Dict[str, Any]:
@@ -65,5 +64,4 @@ class UpdateStats:
                 f"{'s' if len(self.buckets) != 1 else ''} ({self.path}): transfer "
                 f"{self.transfer_seconds:.3f} s ({self.gbps:.3f} GB/s), update {self.seconds:.3f} s, "
                 f"transport={self.transport}, weight_version={self.version}"
-                + (f", gathered {describe_bytes(self.gathered_bytes)}" if self.gathered_bytes else "")
-                + (f", staging pool {describe_bytes(self.pool_bytes)}" if self.pool_bytes else ""))
+                + (f", gathered {describe_bytes(self.gathered_bytes)}" if self.gathered_bytes else ""))

@@ -326,7 +326,7 @@ class Update:
             gbps=payload / transfer / 1e9 if transfer > 0 else 0.0,
             path="direct" if not self.gathered else "buckets" if self.gathered >= payload else "direct+buckets",
             transport=",".join(self.paths) or "none", lane_calls=self.lane_calls,
-            held_bytes=self.max_held, gathered_bytes=self.gathered, pool_bytes=self.client.pool_bytes())
+            held_bytes=self.max_held, gathered_bytes=self.gathered)
 
 
 def readable_in_place(group: buckets.Group, device) -> bool:

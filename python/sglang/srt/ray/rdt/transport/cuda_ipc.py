@@ -43,8 +43,8 @@ class NotKept(ValueError):
 
 
 def device_frees(ordinal: int) -> int:
-    """How many times PyTorch's allocator gave memory of GPU ``ordinal`` back."""
-    return int(torch.cuda.memory_stats(ordinal).get("num_device_free", 0))
+    """How many times PyTorch's allocator gave memory of GPU ``ordinal`` back (the nested form: no flattening)."""
+    return int(torch.cuda.memory_stats_as_nested_dict(ordinal).get("num_device_free", 0))
 
 
 class _KeptTable:

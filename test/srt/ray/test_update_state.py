@@ -198,3 +198,10 @@ def test_format_update_without_parameter_count():
                           "gbps": 1e-7, "update_seconds": 0.2, "transport": "cma",
                           "writers": 1, "params_updated": 1, "flushed_cache": True})
     assert "1 parameters updated by 1 writer" in line and "cache flushed=True" in line
+
+
+def test_the_update_line_names_each_lora_adapter_and_its_bytes():
+    line = format_update({"tensors": 4, "bytes": 4096, "pulls": 1, "transfer_seconds": 0.1, "gbps": 1e-5,
+                          "update_seconds": 0.2, "transport": "cma", "writers": 1, "params_updated": 4,
+                          "adapters": {"rl": 2048, "critic": 1024}})
+    assert line.endswith(", LoRA rl: 2048 bytes, LoRA critic: 1024 bytes"), line

@@ -315,4 +315,5 @@ def format_update(summary: Dict[str, Any], rank: str = "") -> str:
         f"transfer {summary['transfer_seconds']:.4f} s ({summary['gbps']:.3f} GB/s), "
         f"update {summary['update_seconds']:.3f} s, transport={summary['transport']}"
         + (f", cache flushed={summary['flushed_cache']}" if "flushed_cache" in summary else "")
+        + "".join(f", LoRA {name}: {n} bytes" for name, n in (summary.get("adapters") or {}).items())
     )

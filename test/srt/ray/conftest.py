@@ -292,12 +292,12 @@ def lora_server(ray_head, ray_client, tiny_model, tmp_path_factory):
     s.terminate()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tp2_server(ray_head, ray_client, tiny_model, tmp_path_factory):
-    """One ``--tp-size 2`` CPU server (sglang's model code over gloo, one core
-    per rank, LoRA on), shared by the modules that drive a multi-rank engine
-    (test_group_calls, test_lora_sync) and leave it consistent; they depend on
-    no particular base checkpoint being served when they start."""
+    """A ``--tp-size 2`` CPU server (sglang's model code over gloo, one core
+    per rank, LoRA on) for one module that drives a multi-rank engine
+    (test_group_calls, test_lora_sync). Its schedulers keep sglang's busy idle
+    loop, so it lives no longer than that module: it would slow every later one."""
     s = start_server(
         tiny_model, ray_head,
         ["--backend", "ray", "--enable-rdt-weight-sync", "--tp-size", "2", "--ray-namespace", ray_head.namespace,

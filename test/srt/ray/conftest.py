@@ -279,10 +279,11 @@ LORA_ARGS = ["--model-impl", "sglang", "--enable-lora", "--lora-backend", "torch
              "--max-loras-per-batch", "4", "--lora-target-modules", *LORA_TARGETS]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def lora_server(ray_head, ray_client, tiny_model, tmp_path_factory):
-    """One TP 1 CPU server with LoRA on (sglang's model code), in the head's namespace, shared by the modules that
-    push adapters and base weights to it and leave it consistent (test_lora_sync, test_docs)."""
+    """A TP 1 CPU server with LoRA on (sglang's model code), in the head's namespace, for one module that pushes
+    adapters and base weights to it (test_lora_sync, test_docs); gone with it, so that later modules find the
+    cluster as they expect it (e.g. one placement group of their own)."""
     s = start_server(
         tiny_model, ray_head,
         ["--backend", "ray", "--enable-rdt-weight-sync", "--ray-namespace", ray_head.namespace, *LORA_ARGS],

@@ -212,6 +212,24 @@ def test_sender_refuses_to_overwrite_a_slot_until_released():
         sender.release(1, "u1/s1") or sender.fill(1, "u1/s3", [[4090]], _groups(b), None, False)
 
 
+def test_a_fill_that_fails_frees_its_slot_for_the_next_one(monkeypatch):
+    """No rank was told of a slot whose fill failed: the next fill may take it (it is not left in flight)."""
+    sender = BucketSender("cpu", register=False)
+    sender.prepare(4096)
+    a = torch.arange(8, dtype=torch.float32)
+
+    def broken(buf, dst, group):
+        raise RuntimeError("the gather failed")
+
+    monkeypatch.setattr(BucketSender, "_gather", staticmethod(broken))
+    with pytest.raises(RuntimeError, match="the gather failed"):
+        sender.fill(0, "u1/s0", [[0]], _groups(a), None, False)
+    assert sender.in_flight() == [None, None]
+    monkeypatch.undo()
+    sender.fill(0, "u2/s0", [[0]], _groups(a), None, False)
+    assert sender.in_flight() == ["u2/s0", None] and torch.equal(slot_bytes(sender, 0, 32), a)
+
+
 def test_sender_keeps_its_slots_and_grows_only_when_asked_for_more():
     sender = BucketSender("cpu", register=False)
     sender.prepare(4096)

@@ -23,7 +23,7 @@ import torch
 
 from conftest import LORA_TARGETS, MemorySource
 from sglang.srt.lora.adapter_stash import AdapterStashes, checksum, expected_tensors, split_name
-from sglang.srt.ray.rdt.errors import WeightSyncError
+from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError
 
 PROMPT = "the quick brown fox"
 N = 8
@@ -140,6 +140,37 @@ def test_a_dropped_update_leaves_the_served_adapter_and_its_stash_as_they_were(r
     stash = rank.lora.stashes.stashes["rl"]
     assert all(float(t.flatten()[0]) == 2.0 for t in stash.tensors.values())  # what is served again
     assert rank.status().lora_adapters["rl"]["version"] == 1
+
+
+def test_an_adapter_a_broken_pull_wrote_in_is_not_served_half_written(rank):
+    """A pull into the adapter breaks after its first tensor landed; the update still ends (other work): the
+    adapter is served as it was, and its stash holds that again, so a later partial update starts from it."""
+    rank.register_lora("rl", CONFIG, "id-1")
+    rank.pull_sources([MemorySource(list(_adapter(2.0).values()))], list(_adapter(2.0)))
+    rank.finalize("v1")
+    rank.port.is_paused = True
+    with pytest.raises(WeightsInconsistentError):
+        rank.pull_sources([MemorySource(list(_adapter(9.0).values()), fail_at=1)], list(_adapter(9.0)))
+    with pytest.raises(WeightSyncError, match="inconsistent"):  # the update ends, reported not clean
+        rank.finalize("v2")
+    assert rank.status().lora_adapters["rl"]["version"] == 1
+    assert all(float(t.flatten()[0]) == 2.0 for t in rank.port.lora_served["rl"].values())
+    assert all(float(t.flatten()[0]) == 2.0 for t in rank.lora.stashes.stashes["rl"].tensors.values())
+
+
+def test_an_adapter_sglang_refuses_to_serve_stays_as_it_was(rank, monkeypatch):
+    rank.register_lora("rl", CONFIG, "id-1")
+    before = rank.lora.stashes.stashes["rl"]
+
+    def refuse(stash):
+        raise WeightSyncError("LoRA adapter rl: does not fit the memory pool")
+
+    monkeypatch.setattr(rank.port, "lora_apply", refuse)
+    with pytest.raises(WeightSyncError, match="does not fit"):
+        rank.register_lora("rl", {**CONFIG, "lora_alpha": 32}, "id-2")  # reconfigured, refused
+    with pytest.raises(WeightSyncError, match="does not fit"):
+        rank.register_lora("new", CONFIG, "id-3")  # created, refused
+    assert rank.lora.stashes.stashes == {"rl": before}
 
 
 # --------------------------------------------------------------------------- #

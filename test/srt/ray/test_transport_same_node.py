@@ -30,10 +30,8 @@ from sglang.srt.ray.rdt.transport import cma, cuda_driver, cuda_ipc
 from sglang.srt.ray.rdt.transport.cma import (
     CmaError,
     CmaPath,
-    CmaReader,
     merge_copies,
     process_start_time,
-    split_copies,
 )
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, copy_rows
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader
@@ -46,19 +44,6 @@ MiB = 1 << 20
 # --------------------------------------------------------------------------- #
 # Cross-memory attach (the CPU half of the same-node path)
 # --------------------------------------------------------------------------- #
-def test_split_copies_balances_bytes_keeps_order_and_cuts_only_large_copies():
-    copies = [(1000, 5000, 3 * MiB), (9000, 70000, 1 * MiB)]
-    parts = split_copies(copies, 2)
-    assert [sum(c[2] for c in p) for p in parts] == [2 * MiB, 2 * MiB]
-    # contiguous pieces, in order, covering every byte once
-    assert parts == [[(1000, 5000, 2 * MiB)],
-                     [(1000 + 2 * MiB, 5000 + 2 * MiB, MiB), (9000, 70000, MiB)]]
-    assert split_copies([(0, 0, 100)], 4) == [[(0, 0, 100)]]  # small: one part
-    # no part smaller than min_bytes: 3 MiB in parts of at least 1 MiB
-    assert len(split_copies([(0, 0, 3 * MiB)], 8)) == 3
-    assert split_copies([], 4) == []
-
-
 def test_merge_copies_joins_only_copies_that_continue_on_both_sides():
     dst = [1000, 1010, 1016, 2000, 2000]
     src = [5000, 5010, 6000, 6004, 6004]
@@ -102,20 +87,18 @@ def test_cma_reads_another_process_and_reports_faults(child_buffer):
     c = child_buffer
     start = process_start_time(c.pid)
     assert start is not None and start == process_start_time(c.pid)
-    reader = CmaReader(threads=2)
-    assert reader.probe(c.pid, c.addr) is None
+    assert cma.probe(c.pid, c.addr) is None
     dst = torch.zeros(c.nbytes // 4)
     half = c.nbytes // 2
     copies = [(dst.data_ptr(), c.addr, half), (dst.data_ptr() + half, c.addr + half, c.nbytes - half)]
-    assert reader.read(c.pid, copies) == c.nbytes
+    assert cma.read_all(c.pid, copies) == c.nbytes
     assert torch.equal(dst, _expected_floats(c.nbytes))
     with pytest.raises(CmaError) as e:  # an address the sender never mapped
-        reader.read(c.pid, [(dst.data_ptr(), 8, 16)])
+        cma.read_all(c.pid, [(dst.data_ptr(), 8, 16)])
     assert e.value.errno == errno.EFAULT and "not mapped in the sender" in str(e.value)
-    reader.close()
     c.proc.communicate("\n", timeout=30)
     assert process_start_time(c.pid) is None or process_start_time(c.pid) != start
-    why = CmaReader(threads=1).probe(c.pid, c.addr)
+    why = cma.probe(c.pid, c.addr)
     assert why is not None and "ESRCH" in why
 
 
@@ -180,14 +163,14 @@ def test_cma_resumes_after_partial_reads(monkeypatch):
     monkeypatch.setattr(cma, "_readv", lambda: stingy_readv)
     base_d, base_s = ctypes.addressof(dst), ctypes.addressof(src)
     copies = [(base_d, base_s, 25), (base_d + 25, base_s + 25, 14), (base_d + 39, base_s + 39, 25)]
-    assert cma._read_all(1, copies) == 64
+    assert cma.read_all(1, copies) == 64
     assert bytes(dst) == bytes(range(64)) and calls == [10] * 6 + [4]
 
 
 def test_cma_read_that_makes_no_progress_fails_instead_of_looping(monkeypatch):
     monkeypatch.setattr(cma, "_readv", lambda: lambda *a: 0)
     with pytest.raises(CmaError, match="no progress after 0 bytes"):
-        cma._read_all(1, [(1000, 2000, 64)])
+        cma.read_all(1, [(1000, 2000, 64)])
 
 
 # --------------------------------------------------------------------------- #

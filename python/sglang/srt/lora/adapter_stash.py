@@ -101,11 +101,12 @@ class AdapterStash:
     served: Optional[torch.Tensor] = None  # a copy of ``flat`` as last committed
     version: int = 0  # commits so far
     weight_version: Optional[str] = None
-    _checksum: Optional[str] = None
+    _served_n: int = 0  # copies of ``flat`` taken so far (what a checksum is of)
+    _checksum: Tuple[int, str] = (-1, "")
 
     def commit(self) -> None:
         self.served = self.flat.clone()
-        self._checksum = None
+        self._served_n += 1  # (after ``served``: a reader who sees this count sees that copy)
 
     @property
     def committed(self) -> Dict[str, torch.Tensor]:
@@ -113,9 +114,11 @@ class AdapterStash:
 
     @property
     def checksum(self) -> str:
-        if self._checksum is None:
-            self._checksum = checksum(self.committed)
-        return self._checksum
+        n = self._served_n  # (read first: a commit may run meanwhile on the scheduler)
+        if self._checksum[0] != n:
+            served = self.served
+            self._checksum = (n, checksum(_carve(served, {k: tuple(t.shape) for k, t in self.tensors.items()})))
+        return self._checksum[1]
 
     @property
     def nbytes(self) -> int:
@@ -149,8 +152,15 @@ class AdapterStashes:
         self.stashes[name] = stash
         return stash, "created" if old is None else "reconfigured"
 
+    def put_back(self, name: str, stash: Optional[AdapterStash]) -> None:
+        """Undo a :meth:`register` that sglang refused: ``stash`` (None: no adapter) is ``name``'s again."""
+        if stash is None:
+            self.stashes.pop(name, None)
+        else:
+            self.stashes[name] = stash
+
     def named_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        for name, stash in self.stashes.items():
+        for name, stash in list(self.stashes.items()):  # (a register may run meanwhile on the scheduler)
             for key, t in stash.tensors.items():
                 yield f"{name}{SEP}{key}", t
 

@@ -130,7 +130,9 @@ class GroupCalls:
         except BaseException as e:  # every rank still takes part in the gather
             outcome = (False, f"{type(e).__name__}: {e}", e)
         outcomes = self._gather(outcome[:2]) if self._gather is not None else [outcome[:2]]
-        failed = [(rank, o[1]) for rank, o in enumerate(outcomes) if not o[0]]
+        # (anything but an outcome: that rank met another collective, so the group is out of step)
+        failed = [(rank, o[1] if isinstance(o, tuple) else f"out of step: {o!r}")
+                  for rank, o in enumerate(outcomes) if not (isinstance(o, tuple) and o[0])]
         with self._lock:
             fut = self._waiting.pop(call.call_id, None)
         if fut is None:

@@ -28,9 +28,14 @@ class RankLoRA:
         if not lora_name or SEP in lora_name:
             raise WeightSyncError(f"a LoRA adapter name must be non-empty and without {SEP!r}: {lora_name!r}")
         layout, dtype, device = self.port.lora_layout(config)
+        old = self.stashes.stashes.get(lora_name)
         stash, what = self.stashes.register(lora_name, lora_id, config, layout, dtype, device)
         if what != "unchanged":
-            self.port.lora_apply(stash)  # served zeroed from now on: the base model's output
+            try:
+                self.port.lora_apply(stash)  # served zeroed from now on: the base model's output
+            except BaseException:  # refused: the adapter stays as it was
+                self.stashes.put_back(lora_name, old)
+                raise
             logger.info("[RDT] LoRA adapter %s %s: r=%s, %d tensors, %.1f MiB", lora_name, what,
                         config.get("r"), len(layout), stash.nbytes / 2**20)
         return {"lora_name": lora_name, "lora_id": stash.lora_id, "status": what,

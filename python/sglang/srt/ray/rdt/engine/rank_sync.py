@@ -274,10 +274,14 @@ class RankWeightSync:
         if self.port.session_open():
             self.port.end_session(abort=reason)  # its listener drops the update
         else:
-            self.lora.restore(self.state.written_names())
-            self.state.abort(reason)  # (an update under a plain pause: this rank's alone)
-            self.receiver.end_of_update()
+            self._drop(reason)  # (an update under a plain pause: this rank's alone)
         return self.state.status()
+
+    def _drop(self, reason: str) -> None:
+        """Drop the open update here: its adapters back to what is served, the state aborted, the next pull walks."""
+        self.lora.restore(self.state.written_names(broken=True))
+        self.state.abort(reason)
+        self.receiver.end_of_update()
 
     def writer_gone(self, writer, how: str) -> None:
         """A trainer process left with the update it wrote in still open: the weights are inconsistent until
@@ -296,6 +300,11 @@ class RankWeightSync:
     def _end_update(self, flush: bool) -> Dict[str, Any]:
         """The update's end (scheduler thread): commit adapters, flush if asked, close the state; its summary."""
         extra, written = {}, self.state.written_names()
+        broken = self.state.written_names(broken=True)[len(written):]
+        if broken:  # an adapter a broken pull wrote in is not served half-written: back to what is served
+            self.lora.restore(broken)
+            torn = {n.split(":", 1)[0] for n in broken if ":" in n}
+            written = [n for n in written if n.split(":", 1)[0] not in torn]
         try:  # the LoRA adapters it wrote are served from here on
             extra["adapters"] = self.lora.commit(written, self.port.weight_version())
         except Exception as e:
@@ -330,9 +339,7 @@ class RankWeightSync:
         if not self.state.update_open:
             return None  # ended (finalize) or aborted already
         if aborted is not None:
-            self.lora.restore(self.state.written_names())
-            self.state.abort(aborted)
-            self.receiver.end_of_update()
+            self._drop(aborted)
             self.prepare_next_pull()
             return None
         summary = self._end_update(flush=True)

@@ -145,8 +145,9 @@ class WeightSyncSession:
             out = await call_ranks_async(actors, "register_lora_adapter", lora_name, config_dict, ref.lora_id)
         except Exception as e:
             raise WeightSyncSessionError(f"registering LoRA adapter {lora_name!r} failed: {e}") from e
-        if known is None:
-            await self._tm.lora_registry.register(ref)
+        if known is None:  # (under the id the ranks serve it by: kept from an earlier registration, if any)
+            await self._tm.lora_registry.register(LoRARef(lora_id=out[0]["lora_id"], lora_name=lora_name,
+                                                          lora_path=TENSOR_PATH, pinned=False))
         return {**out[0], "groups": out}
 
     async def _pause(self) -> None:

@@ -238,10 +238,11 @@ class RankUpdateState:
             self._mark_inconsistent(reason)
             return u.kind
 
-    def written_names(self) -> List[str]:
-        """The parameters the open update wrote so far (none when no update is open)."""
+    def written_names(self, broken: bool = False) -> List[str]:
+        """The parameters the open update wrote so far (``broken``: and those a broken pull may have written)."""
         with self._lock:
-            return list(self._update.written()) if self._update is not None else []
+            u = self._update
+            return [] if u is None else list(u.written()) + (sorted(u.broken) if broken else [])
 
     def interrupted(self, reason: str) -> bool:
         """Generation saw the update in progress: if it wrote weights, mark them inconsistent."""

@@ -278,7 +278,7 @@ class LayoutBook:
         self.layouts = None  # the rank layouts the cached checks were made against
 
     def assign(self, rank_group: int, group: Group, ranks: Sequence[int], layouts, labels) -> int:
-        key = (rank_group, group.index)
+        key = (rank_group, tuple(ranks), group.index)  # (the same group index may go to other ranks next time)
         last = self._last.get(key)
         if (last is not None and self.layouts is layouts and last[0] == group.names
                 and group.scan.same_layout(last[1])):

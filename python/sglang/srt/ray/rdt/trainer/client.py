@@ -347,6 +347,7 @@ class WeightSyncClient:
     def release(self) -> None:
         """Give the trainer's GPU memory back: the ranks drop their mappings, the slots and the staging pool are
         freed (the next update makes them again). Drop tensors made in ``staging()`` first."""
+        self._reclaim_stuck()  # (a pull of a failed update still reading: nothing is freed, and it says so)
         try:
             if self.device_obj.type == "cuda":  # (the staging pool lives only there)
                 release_rank_mappings(self.ranks, self.call_timeout_s, "the trainer's tensors")

@@ -111,19 +111,23 @@ class BucketSender:
         if end > buf.numel():
             raise BucketSenderError(f"a step does not fit the slot ({end} > {buf.numel()} bytes); "
                                     "prepare() it larger")
-        self._in_flight[slot] = token  # from here on: a failed fill leaves it reserved
-        if buf.is_cuda:
-            torch.cuda.synchronize(buf.device)  # the trainer's queued work on its tensors
-        for d, g in zip(dst, groups):
-            self._gather(buf, d, g)
-        if buf.is_cuda:
-            torch.cuda.synchronize(buf.device)
-        out = []
-        for offs, d, g in zip(offsets, dst, groups):
-            ref = None
-            if ref_transport:
-                ref = self._put([self._view(buf, int(o), t) for o, t in zip(offs, g.tensors)], ref_transport)
-            out.append((ref, same_node.describe(d, g.scan.nbytes, buf.device) if local else None))
+        self._in_flight[slot] = token
+        try:
+            if buf.is_cuda:
+                torch.cuda.synchronize(buf.device)  # the trainer's queued work on its tensors
+            for d, g in zip(dst, groups):
+                self._gather(buf, d, g)
+            if buf.is_cuda:
+                torch.cuda.synchronize(buf.device)
+            out = []
+            for offs, d, g in zip(offsets, dst, groups):
+                ref = None
+                if ref_transport:
+                    ref = self._put([self._view(buf, int(o), t) for o, t in zip(offs, g.tensors)], ref_transport)
+                out.append((ref, same_node.describe(d, g.scan.nbytes, buf.device) if local else None))
+        except BaseException:
+            self._in_flight[slot] = None  # no rank was told of it: free for the next fill
+            raise
         self.stats["fills"] += 1
         return out
 

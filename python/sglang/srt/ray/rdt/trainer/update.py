@@ -222,7 +222,7 @@ class Update:
             # fenced: the ranks' copies may still read the trainer's memory
             fenced = [r for r, call in flight.calls if isinstance(call, LaneCall) and results[r].get("fenced")]
             deadline = time.monotonic() + self.wait_s
-            fence_s = max((c.lanes.links[r].wait_fence(deadline) for r in fenced), default=None)
+            fence_s = max((self._wait_fence(r, deadline, flight) for r in fenced), default=None)
         except BaseException:
             self.flights.appendleft(flight)  # settled (and its slot freed) with the others
             raise
@@ -257,6 +257,13 @@ class Update:
                 self.progress(stats, len(self.steps_done), self.total)
             except Exception as e:  # a display bug must not abort an update
                 logger.warning("[RDT] progress callback failed: %s", e)
+
+    def _wait_fence(self, r: int, deadline: float, flight: Flight) -> float:
+        try:
+            return self.client.lanes.links[r].wait_fence(deadline)
+        except Exception as e:  # (the rank died, or its copy did not end in time)
+            raise WeightSyncRankError(r, self.client.ranks[r].name, f"copy of step {flight.index + 1}", e,
+                                      [(r, e)]) from e
 
     def _finish(self) -> None:
         c = self.client

@@ -11,7 +11,6 @@ import errno as errno_mod
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -91,61 +90,17 @@ def describe_errno(err: int) -> str:
     return f"process_vm_readv: {name}: {hint}"
 
 
-def split_copies(copies: Sequence[Copy], parts: int, min_bytes: int = 1 << 20) -> List[List[Copy]]:
-    """``copies`` as ``parts`` lists of about the same byte count, order kept (no piece under ``min_bytes``)."""
-    total = sum(c[2] for c in copies)
-    parts = max(1, min(parts, total // max(min_bytes, 1) or 1))
-    share = -(-total // parts)
-    out: List[List[Copy]] = [[]]
-    room = share
-    for dst, src, n in copies:
-        while n > 0:
-            if room == 0 and len(out) < parts:
-                out.append([])
-                room = share
-            take = n if len(out) == parts else min(n, room)
-            out[-1].append((dst, src, take))
-            dst, src, n = dst + take, src + take, n - take
-            room = max(0, room - take)
-    return [p for p in out if p]
+def probe(pid: int, src: int) -> Optional[str]:
+    """None if one byte at ``src`` can be read from ``pid``, else why not."""
+    scratch = ctypes.create_string_buffer(1)
+    local = _IoVec(ctypes.cast(scratch, ctypes.c_void_p), 1)
+    remote = _IoVec(src, 1)
+    got = _readv()(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    return None if got == 1 else describe_errno(ctypes.get_errno())
 
 
-class CmaReader:
-    """Reads (dst, src, nbytes) copies out of another process with N threads."""
-
-    def __init__(self, threads: Optional[int] = None):
-        self.threads = max(1, threads or min(4, os.cpu_count() or 1))
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._lock = threading.Lock()  # guards the reader threads' pool
-
-    def probe(self, pid: int, src: int) -> Optional[str]:
-        """None if one byte at ``src`` can be read from ``pid``, else why not."""
-        scratch = ctypes.create_string_buffer(1)
-        local = _IoVec(ctypes.cast(scratch, ctypes.c_void_p), 1)
-        remote = _IoVec(src, 1)
-        got = _readv()(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        return None if got == 1 else describe_errno(ctypes.get_errno())
-
-    def read(self, pid: int, copies: Sequence[Copy]) -> int:
-        """Copy everything; raise :class:`CmaError` if any part fails."""
-        parts = split_copies(copies, self.threads)
-        if len(parts) <= 1:
-            return sum(_read_all(pid, p) for p in parts)
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="sglang-cma")
-            futures = [self._pool.submit(_read_all, pid, p) for p in parts]
-            return sum(f.result() for f in futures)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-
-
-def _read_all(pid: int, copies: Sequence[Copy]) -> int:
-    """One thread's share, in batches of IOV_MAX, resuming after partial reads."""
+def read_all(pid: int, copies: Sequence[Copy]) -> int:
+    """Copy everything, in batches of IOV_MAX, resuming after partial reads; :class:`CmaError` if a part fails."""
     readv = _readv()
     done = 0
     pending = [list(c) for c in copies if c[2]]
@@ -196,8 +151,6 @@ class CmaPath:
     """Reads a :class:`CmaPart` into host-memory targets; a sender the kernel refuses is remembered (NIXL serves it)."""
 
     def __init__(self):
-        self._reader: Optional[CmaReader] = None
-        self._lock = threading.Lock()  # guards building the reader once
         self._denied: dict = {}  # sender pid -> why reading is refused
 
     def unusable(self, part: CmaPart, device, node_id: str) -> Optional[str]:
@@ -214,12 +167,6 @@ class CmaPath:
             return f"the sender process {part.pid} is not visible from here (another PID namespace?) or has exited"
         return self._denied.get(part.pid)
 
-    def reader(self) -> CmaReader:
-        with self._lock:
-            if self._reader is None:
-                self._reader = CmaReader()
-            return self._reader
-
     def read(self, part: CmaPart, targets, copy: bool = True) -> ReadResult:
         """Read ``part``'s tensors into ``targets`` (``copy=False``: only check that they can be read)."""
         t0 = time.perf_counter()
@@ -227,15 +174,14 @@ class CmaPath:
         res = ReadResult("cma", len(targets.tensors), int(part.nbytes.sum()), 0.0, method="process_vm_readv")
         copies = merge_copies(targets.ptrs, part.address, part.nbytes)
         if copies:
-            reader = self.reader()
-            why = reader.probe(part.pid, copies[0][1])
+            why = probe(part.pid, copies[0][1])
             if why is not None:  # nothing was written: remember it, NIXL may serve
                 self._denied[part.pid] = why
                 raise MappingFailed(why)
             if copy:
                 t1 = time.perf_counter()
                 try:
-                    reader.read(part.pid, copies)
+                    read_all(part.pid, copies)
                 except CmaError as e:
                     raise RuntimeError(f"process_vm_readv from sender pid {part.pid} broke mid-way: {e}") from e
                 if process_start_time(part.pid) != part.start_time:

@@ -71,7 +71,7 @@ class BenchRank(StandaloneRank):
         if self.lora_pattern is None:
             self.lora_pattern = Pattern(tensors)
         bad = self.lora_pattern.check(tensors, seed)
-        return {"ok": not bad, "nbad": len(bad)}
+        return {"ok": not bad, "nbad": len(bad), "apply_seconds": self._rdt_sync.port.lora_apply_seconds}
 
     def _wait_device(self) -> None:
         if self.device.type == "cuda":

@@ -13,6 +13,7 @@ GPU benchmark (``benchmark/rdt_weight_sync``) and of the tests.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -32,6 +33,7 @@ class ModelPort:
         self.post_load = post_load
         self._lora_layout = lora_layout  # config -> {PEFT key: shape}: adapters this "model" takes
         self.lora_served: dict = {}  # adapter name -> the bytes it would serve (host copies)
+        self.lora_apply_seconds = 0.0  # the last lora_apply (a benchmark's breakdown)
         self.is_paused = False
         self.is_session_open = False
         self.version: Optional[str] = None
@@ -81,7 +83,10 @@ class ModelPort:
         return self._lora_layout(config), param.dtype, param.device
 
     def lora_apply(self, stash) -> None:
+        # A host copy of every tensor, as sglang's LoRA manager takes an adapter from tensors (lora.py ``.cpu()``)
+        t0 = time.perf_counter()
         self.lora_served[stash.name] = {k: t.detach().cpu().clone() for k, t in stash.tensors.items()}
+        self.lora_apply_seconds = time.perf_counter() - t0
 
 
 class ServingLoop:

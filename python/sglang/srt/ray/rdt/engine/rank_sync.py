@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -58,8 +58,7 @@ class RankWeightSync:
         self.safe_point = safe_point
         self.transports = list(transports)
         # (the model's parameters: LoRA adapters' tensors are named "{lora}:{key}")
-        self.state = RankUpdateState(param_names=lambda: [n for n in self.receiver.param_names() if ":" not in n],
-                                     rank=rank, weight_version=port.weight_version)
+        self.state = RankUpdateState(param_names=self._model_param_names, rank=rank, weight_version=port.weight_version)
         self.lora = RankLoRA(port)
         self.receiver = RdtWeightReceiver(lambda: dict(self._params()), device=device, pull_timeout_s=pull_timeout_s,
                                           registration_disabled_reason=registration_disabled_reason, state=self.state)
@@ -69,6 +68,10 @@ class RankWeightSync:
         self.idle_sleep = "off"  # how the loop's --sleep-on-idle wait meets queued calls (the actor says)
         # GroupCalls of a TP/PP group (managers/scheduler_group_calls.py); None: a group of one rank.
         self.group = None
+
+    def _model_param_names(self) -> List[str]:
+        names = self.receiver.param_names()  # (adapters' tensors are named "{lora_name}:{key}")
+        return [n for n in names if ":" not in n] if self.lora.stashes.stashes else names
 
     def _params(self):
         """What a pull may write: the model's parameters and the registered adapters' tensors."""
@@ -299,7 +302,20 @@ class RankWeightSync:
 
     def _end_update(self, flush: bool) -> Dict[str, Any]:
         """The update's end (scheduler thread): commit adapters, flush if asked, close the state; its summary."""
-        extra, written = {}, self.state.written_names()
+        extra = {}
+        if self.lora.stashes.stashes:  # (the written names are looked at only when adapters are registered)
+            self._commit_adapters(extra)
+        if flush and self.state.wrote_weights:
+            extra["flushed_cache"] = self.port.flush_cache()
+            if not extra["flushed_cache"]:
+                logger.warning("[RDT] the prefix cache could not be flushed after the update; "
+                               "call /flush_cache before generation continues")
+        summary = self.state.end(**extra)
+        self.receiver.end_of_update()
+        return summary
+
+    def _commit_adapters(self, extra: Dict[str, Any]) -> None:
+        written = self.state.written_names()
         broken = self.state.written_names(broken=True)[len(written):]
         if broken:  # an adapter a broken pull wrote in is not served half-written: back to what is served
             self.lora.restore(broken)
@@ -311,14 +327,6 @@ class RankWeightSync:
             reason = f"a LoRA adapter written in this update could not be served ({type(e).__name__}: {e})"
             logger.error("[RDT] %s", reason)
             self.state.transfer_failed([n for n in written if ":" in n], reason)
-        if flush and self.state.wrote_weights:
-            extra["flushed_cache"] = self.port.flush_cache()
-            if not extra["flushed_cache"]:
-                logger.warning("[RDT] the prefix cache could not be flushed after the update; "
-                               "call /flush_cache before generation continues")
-        summary = self.state.end(**extra)
-        self.receiver.end_of_update()
-        return summary
 
     def on_weights_released(self) -> None:
         self.receiver.on_weights_released()

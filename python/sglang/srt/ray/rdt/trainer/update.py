@@ -60,6 +60,7 @@ class Update:
     max_held: int = 0
     gathered: int = 0  # bytes gathered into the slots (not read where the trainer made them)
     in_place: bool = False  # a mapping: read where it is (every tensor in kept memory)
+    ended: bool = False  # the session's end was called
     moved_bytes: int = 0
     t_first: Optional[float] = None
     # set by plan(): the client's route, the rank groups, what each was sent
@@ -81,7 +82,8 @@ class Update:
             self.plan_seconds = time.perf_counter() - t0
         try:
             self._transfer(iter(steps))
-            self._finish()
+            if not self.ended:
+                self._finish()
         except BaseException as e:
             still = self._settle()
             if still:
@@ -136,7 +138,7 @@ class Update:
                 self._check(step)
             self._send(step)
         while self.flights:
-            self._land(self.flights.popleft())
+            self._land(self.flights.popleft(), last=not self.flights)
 
     def _room(self) -> bool:
         """Whether the next step may be sent before another lands: in place, always; gathered, while a slot is
@@ -214,13 +216,15 @@ class Update:
             group.tensors = []  # copied: the trainer's tensors are not read again
         return flight
 
-    def _land(self, flight: Flight) -> None:
+    def _land(self, flight: Flight, last: bool = False) -> None:
         c = self.client
         try:
             results = c.gather(flight.calls, f"pull of step {flight.index + 1}", self.wait_s)
             received_at = time.perf_counter()
             # fenced: the ranks' copies may still read the trainer's memory
             fenced = [r for r, call in flight.calls if isinstance(call, LaneCall) and results[r].get("fenced")]
+            if last and fenced:  # the end overlaps the copy: a rank's scheduler settles its copy before anything else
+                self._finish()
             deadline = time.monotonic() + self.wait_s
             fence_s = max((self._wait_fence(r, deadline, flight) for r in fenced), default=None)
         except BaseException:
@@ -271,7 +275,7 @@ class Update:
             for rg, names in enumerate(self.sent):
                 for r in self.rank_groups[rg]:
                     buckets.check_strict(names, c.parameter_layouts()[r], c.labels[r])
-        t0 = time.perf_counter()
+        t0, self.ended = time.perf_counter(), True
         c.session.end(self.session_id, self.version, self.flush_cache)
         self.end_seconds = time.perf_counter() - t0
 

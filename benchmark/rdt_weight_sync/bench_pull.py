@@ -62,7 +62,7 @@ def parse_variant(text: str):
     opts: Dict[str, Any] = {}
     for kv in filter(None, rest.split(",")):
         k, v = kv.split("=", 1)
-        opts[k] = {"True": True, "False": False}.get(v, v)
+        opts[k] = int(v) if v.isdigit() else {"True": True, "False": False}.get(v, v)
     return text, mode, opts
 
 

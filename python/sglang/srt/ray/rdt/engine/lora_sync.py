@@ -8,9 +8,9 @@ An adapter registered by name and PEFT config starts zeroed; its tensors travel 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Optional
 
-from sglang.srt.lora.adapter_stash import SEP, AdapterStashes
+from sglang.srt.lora.adapter_stash import SEP, AdapterStashes, split_name
 from sglang.srt.ray.rdt.errors import WeightSyncError, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -46,12 +46,30 @@ class RankLoRA:
     def named_tensors(self):
         return self.stashes.named_tensors()
 
-    def commit(self, written: Iterable[str], weight_version: Optional[str]) -> Dict[str, int]:
-        """The update ended: serve the adapters it wrote. Returns their bytes."""
-        return self.stashes.commit(written, self.port.lora_apply, weight_version)
+    def end(self, state, weight_version: Optional[str]) -> Optional[Dict[str, int]]:
+        """The update ``state`` holds ends: serve the adapters it wrote whole (one a broken pull wrote in goes back
+        to what is served); a refusal marks their tensors failed. The bytes each served adapter moved, or None (no
+        adapters: an update's names are looked at only when there are)."""
+        if not self.stashes.stashes:
+            return None
+        written = state.written_names()
+        broken = state.written_names(broken=True)[len(written):]
+        if broken:
+            self.stashes.restore(broken)
+            torn = set(self.stashes.written(broken))
+            written = [n for n in written if (split_name(n) or ("",))[0] not in torn]
+        try:
+            return self.stashes.commit(written, self.port.lora_apply, weight_version)
+        except Exception as e:
+            reason = f"a LoRA adapter written in this update could not be served ({type(e).__name__}: {e})"
+            logger.error("[RDT] %s", reason)
+            state.transfer_failed([n for n in written if split_name(n)], reason)
+            return None
 
-    def restore(self, written: Iterable[str]) -> None:
-        self.stashes.restore(written)
+    def drop(self, state) -> None:
+        """The update ``state`` holds is dropped: the adapters it wrote in hold what is served again."""
+        if self.stashes.stashes:
+            self.stashes.restore(state.written_names(broken=True))
 
     def status(self) -> Dict[str, Dict[str, Any]]:
         return self.stashes.status()

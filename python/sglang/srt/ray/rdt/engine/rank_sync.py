@@ -282,7 +282,7 @@ class RankWeightSync:
 
     def _drop(self, reason: str) -> None:
         """Drop the open update here: its adapters back to what is served, the state aborted, the next pull walks."""
-        self.lora.restore(self.state.written_names(broken=True))
+        self.lora.drop(self.state)
         self.state.abort(reason)
         self.receiver.end_of_update()
 
@@ -303,8 +303,9 @@ class RankWeightSync:
     def _end_update(self, flush: bool) -> Dict[str, Any]:
         """The update's end (scheduler thread): commit adapters, flush if asked, close the state; its summary."""
         extra = {}
-        if self.lora.stashes.stashes:  # (the written names are looked at only when adapters are registered)
-            self._commit_adapters(extra)
+        adapters = self.lora.end(self.state, self.port.weight_version())
+        if adapters is not None:
+            extra["adapters"] = adapters
         if flush and self.state.wrote_weights:
             extra["flushed_cache"] = self.port.flush_cache()
             if not extra["flushed_cache"]:
@@ -313,20 +314,6 @@ class RankWeightSync:
         summary = self.state.end(**extra)
         self.receiver.end_of_update()
         return summary
-
-    def _commit_adapters(self, extra: Dict[str, Any]) -> None:
-        written = self.state.written_names()
-        broken = self.state.written_names(broken=True)[len(written):]
-        if broken:  # an adapter a broken pull wrote in is not served half-written: back to what is served
-            self.lora.restore(broken)
-            torn = {n.split(":", 1)[0] for n in broken if ":" in n}
-            written = [n for n in written if n.split(":", 1)[0] not in torn]
-        try:  # the LoRA adapters it wrote are served from here on
-            extra["adapters"] = self.lora.commit(written, self.port.weight_version())
-        except Exception as e:
-            reason = f"a LoRA adapter written in this update could not be served ({type(e).__name__}: {e})"
-            logger.error("[RDT] %s", reason)
-            self.state.transfer_failed([n for n in written if ":" in n], reason)
 
     def on_weights_released(self) -> None:
         self.receiver.on_weights_released()

@@ -113,7 +113,7 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
             med = statistics.median(u["seconds"] for u in _steady(lo["updates"]))
             port = statistics.median(u["check"].get("apply_seconds", 0.0) for u in _steady(lo["updates"]))
             others.append({"mode": f"LoRA adapter only ({lo['tensors']} tensors, {lo['bytes'] / MiB:.0f} MiB; "
-                                   f"{port * 1e3:.1f} ms of it the port's host copy, as sglang's LoRA manager's)",
+                                   f"{port * 1e3:.1f} ms of it the port's copy into the adapter's slot)",
                            "median_ms": med * 1e3, "ratio": ceil / med if ceil and med else 0.0,
                            "first_over_median": lo["updates"][0]["seconds"] / med if med else 0.0,
                            "bytes_ok": all(u["check"]["ok"] for u in lo["updates"])})

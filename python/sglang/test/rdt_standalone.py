@@ -32,7 +32,7 @@ class ModelPort:
         self.model = model
         self.post_load = post_load
         self._lora_layout = lora_layout  # config -> {PEFT key: shape}: adapters this "model" takes
-        self.lora_served: dict = {}  # adapter name -> the bytes it would serve (host copies)
+        self.lora_served: dict = {}  # adapter name -> the bytes it serves (its slot)
         self.lora_apply_seconds = 0.0  # the last lora_apply (a benchmark's breakdown)
         self.is_paused = False
         self.is_session_open = False
@@ -83,9 +83,15 @@ class ModelPort:
         return self._lora_layout(config), param.dtype, param.device
 
     def lora_apply(self, stash) -> None:
-        # A host copy of every tensor, as sglang's LoRA manager takes an adapter from tensors (lora.py ``.cpu()``)
+        # A copy of every tensor into the adapter's slot on the device, tensor by tensor, as sglang's LoRA manager
+        # rewrites a resident adapter's memory-pool slot from the committed tensors (``keep_device``: no host copy)
         t0 = time.perf_counter()
-        self.lora_served[stash.name] = {k: t.detach().cpu().clone() for k, t in stash.tensors.items()}
+        slot = self.lora_served.get(stash.name)
+        committed = stash.committed
+        if slot is None or {k: t.shape for k, t in slot.items()} != {k: t.shape for k, t in committed.items()}:
+            slot = self.lora_served[stash.name] = {k: torch.empty_like(t) for k, t in committed.items()}
+        for key, t in committed.items():
+            slot[key].copy_(t, non_blocking=True)
         self.lora_apply_seconds = time.perf_counter() - t0
 
 

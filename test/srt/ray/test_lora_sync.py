@@ -132,7 +132,7 @@ def test_a_dropped_update_leaves_the_served_adapter_and_its_stash_as_they_were(r
     rank.register_lora("rl", CONFIG, "id-1")
     rank.pull_sources([MemorySource(list(_adapter(2.0).values()))], list(_adapter(2.0)))
     rank.finalize("v1")
-    served = dict(rank.port.lora_served["rl"])
+    served = {k: t.clone() for k, t in rank.port.lora_served["rl"].items()}
     rank.pull_sources([MemorySource(list(_adapter(9.0).values()))], list(_adapter(9.0)))
     rank.abort("trainer gone")
     assert rank.port.lora_served["rl"].keys() == served.keys()
@@ -156,6 +156,32 @@ def test_an_adapter_a_broken_pull_wrote_in_is_not_served_half_written(rank):
     assert rank.status().lora_adapters["rl"]["version"] == 1
     assert all(float(t.flatten()[0]) == 2.0 for t in rank.port.lora_served["rl"].values())
     assert all(float(t.flatten()[0]) == 2.0 for t in rank.lora.stashes.stashes["rl"].tensors.values())
+
+
+def test_sglang_serves_a_copy_that_later_updates_never_write(rank, monkeypatch):
+    """sglang keeps the committed tensors themselves (no host copy): a later update writes the stash, never them,
+    and an end whose adapter sglang refuses leaves the last copy served."""
+    rank.register_lora("rl", CONFIG, "id-1")
+    rank.pull_sources([MemorySource(list(_adapter(2.0).values()))], list(_adapter(2.0)))
+    rank.finalize("v1")
+    stash = rank.lora.stashes.stashes["rl"]
+    held = stash.committed  # what sglang was handed
+    assert not {t.data_ptr() for t in held.values()} & {t.data_ptr() for t in stash.tensors.values()}
+    rank.port.is_paused = True
+    rank.pull_sources([MemorySource(list(_adapter(9.0).values()))], list(_adapter(9.0)))
+    assert all(float(t.flatten()[0]) == 9.0 for t in stash.tensors.values())
+    assert all(bool((t == 2.0).all()) for t in held.values())
+
+    def refuse(stash):
+        raise WeightSyncError("LoRA adapter rl: does not fit the memory pool")
+
+    monkeypatch.setattr(rank.port, "lora_apply", refuse)
+    with pytest.raises(WeightSyncError, match=r"inconsistent: .*'rl:base_model"):  # reported until rewritten
+        rank.finalize("v2")
+    assert stash.served.data_ptr() == next(iter(held.values())).data_ptr()  # the last copy, still served
+    st = rank.status().lora_adapters["rl"]
+    assert (st["version"], st["weight_version"]) == (1, "v1")
+    assert st["checksum"] == checksum({k.split(":", 1)[1]: t for k, t in _adapter(2.0).items()})
 
 
 def test_an_adapter_sglang_refuses_to_serve_stays_as_it_was(rank, monkeypatch):

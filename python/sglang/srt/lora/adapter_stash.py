@@ -6,11 +6,12 @@ the adapter as PEFT saves it (``base_model.model.<module>.lora_A.weight``,
 unsharded), carved from one buffer. A weight update writes them like any
 parameter, under ``"{lora_name}:{PEFT key}"`` (checked by name, shape and
 dtype before any byte lands). When the update ends, each adapter it wrote is
-*committed*: sglang's LoRA manager takes the stash's tensors in place
-(``upsert_lora_adapter_from_tensors``: the same id and memory-pool slot; each
-rank keeps its tensor-parallel shard, as a load from disk does). A dropped
-update copies the last committed bytes back into the stash, so the next
-update starts from what is served.
+*committed*: the stash's bytes are copied once on the device, and sglang's
+LoRA manager takes that copy in place (``upsert_lora_adapter_from_tensors``
+with ``keep_device``: the same id and memory-pool slot, no host copy; each
+rank keeps its tensor-parallel shard, as a load from disk does). The copy is
+never written again: a dropped update copies it back into the stash, so the
+next update starts from what is served.
 
 No Ray here: the rank core (``sglang/srt/ray/rdt/engine``) owns the
 :class:`AdapterStashes` of a rank and reaches sglang's LoRA manager through
@@ -90,8 +91,9 @@ def _carve(flat: torch.Tensor, layout: Dict[str, Tuple[int, ...]]) -> Dict[str, 
 @dataclass
 class AdapterStash:
     """One registered adapter on one rank: ``flat`` (what updates write, viewed as ``tensors``) and a copy of what
-    is served on the same device (``committed``, what a dropped update restores); its checksum is computed when
-    asked, once per commit (hashing on the host is far slower than the update itself)."""
+    is served on the same device (``served``, viewed as ``committed``: what sglang serves from and a dropped update
+    restores; never written); its checksum is computed when asked, once per commit (hashing on the host is far
+    slower than the update itself)."""
 
     name: str
     lora_id: str
@@ -104,8 +106,16 @@ class AdapterStash:
     _served_n: int = 0  # copies of ``flat`` taken so far (what a checksum is of)
     _checksum: Tuple[int, str] = (-1, "")
 
-    def commit(self) -> None:
-        self.served = self.flat.clone()
+    def commit(self, apply: Optional[Callable[["AdapterStash"], None]] = None) -> None:
+        """Serve what ``flat`` holds: a new copy, handed to ``apply`` (as ``committed``) before it counts; a
+        refusal leaves the last copy served."""
+        last, self.served = self.served, self.flat.clone()
+        try:
+            if apply is not None:
+                apply(self)
+        except BaseException:
+            self.served = last
+            raise
         self._served_n += 1  # (after ``served``: a reader who sees this count sees that copy)
 
     @property
@@ -176,8 +186,7 @@ class AdapterStashes:
         moved = {}
         for name in self.written(names):
             stash = self.stashes[name]
-            apply(stash)
-            stash.commit()
+            stash.commit(apply)
             stash.version += 1
             stash.weight_version = weight_version
             moved[name] = stash.nbytes

@@ -40,7 +40,7 @@ class SchedulerPort(Protocol):
         """A LoRA adapter's PEFT tensors (``{key: shape}``), their dtype and device."""
 
     def lora_apply(self, stash) -> None:
-        """Serve the adapter ``stash`` holds (``adapter_stash.AdapterStash``), in place."""
+        """Serve the adapter ``stash`` holds (``adapter_stash.AdapterStash``) from its ``committed`` tensors, in place."""
 
 
 class SglangSchedulerPort:
@@ -123,6 +123,7 @@ class SglangSchedulerPort:
         from sglang.srt.lora.lora_registry import LoRARef
 
         ref = LoRARef(lora_id=stash.lora_id, lora_name=stash.name, lora_path="__tensor__", pinned=False)
-        out = self._lora_manager().upsert_lora_adapter_from_tensors(ref, dict(stash.tensors), stash.config)
+        out = self._lora_manager().upsert_lora_adapter_from_tensors(ref, stash.committed, stash.config,
+                                                                  keep_device=True)
         if not out.success:
             raise WeightSyncError(f"LoRA adapter {stash.name}: {out.error_message}")

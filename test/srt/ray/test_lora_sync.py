@@ -114,6 +114,33 @@ def test_an_adapter_lands_next_to_the_model_and_is_served_at_the_updates_end(ran
     assert st["checksum"] == checksum({k.split(":", 1)[1]: t for k, t in adapter.items()})
 
 
+def test_metrics_count_each_served_adapter_and_its_bytes(rank):
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+
+    from sglang.srt.ray.rdt.engine import metrics
+
+    reg = CollectorRegistry()
+    metrics.configure(True, {"tp_rank": 0}, counter=partial(Counter, registry=reg),
+                      histogram=partial(Histogram, registry=reg))
+    try:
+        rank.register_lora("rl", CONFIG, "id-1")
+        for version in ("v1", "v2"):
+            rank.port.is_paused = True
+            rank.pull_sources([MemorySource(list(_adapter(1.0).values()))], list(_adapter(1.0)))
+            rank.finalize(version)
+        rank.port.is_paused = True
+        rank.pull_sources([MemorySource([torch.ones(2, 4)])], ["weight"])  # the base model alone
+        rank.finalize("v3")
+    finally:
+        metrics.configure(False)
+    labels = {"tp_rank": "0", "adapter": "rl"}
+    assert reg.get_sample_value("sglang:rdt_lora_adapter_updates_total", labels) == 2
+    assert reg.get_sample_value("sglang:rdt_lora_adapter_bytes_total", labels) == 2 * 48
+    assert reg.get_sample_value("sglang:rdt_weight_updates_total", {"tp_rank": "0"}) == 3
+
+
 def test_a_refused_adapter_update_lands_nothing_anywhere(rank):
     rank.register_lora("rl", CONFIG, "id-1")
     before = rank.parameter_checksums()

@@ -77,6 +77,9 @@ class RdtMetrics:
         self.update_seconds = h("sglang:rdt_weight_update_seconds",
                                 "Seconds from the first pull (or session begin) of an update to its finalize")
         self.failures = c("sglang:rdt_weight_sync_failures", "RDT weight-sync failures by kind", ("kind",))
+        self.lora_updates = c("sglang:rdt_lora_adapter_updates", "LoRA adapters served by RDT updates", ("adapter",))
+        self.lora_bytes = c("sglang:rdt_lora_adapter_bytes", "Bytes of LoRA adapters served by RDT updates",
+                            ("adapter",))
 
     def _l(self, metric, **extra):
         return metric.labels(**self._labels, **extra) if (self._labels or extra) else metric
@@ -87,9 +90,12 @@ class RdtMetrics:
         self._l(self.pull_tensors).inc(float(stats.get("tensors", 0)))
         self._l(self.pull_seconds).observe(float(stats["seconds"]))
 
-    def record_update(self, seconds: float) -> None:
+    def record_update(self, seconds: float, adapters: Optional[Mapping[str, int]] = None) -> None:
         self._l(self.updates).inc(1)
         self._l(self.update_seconds).observe(float(seconds))
+        for name, nbytes in (adapters or {}).items():
+            self._l(self.lora_updates, adapter=name).inc(1)
+            self._l(self.lora_bytes, adapter=name).inc(float(nbytes))
 
     def record_failure(self, kind: str) -> None:
         self._l(self.failures, kind=kind if kind in FAILURE_KINDS else "other").inc(1)
@@ -134,9 +140,9 @@ def record_pull(stats: Mapping[str, Any]) -> None:
     _safe("record_pull", stats)
 
 
-def record_update(seconds: float) -> None:
-    """Count one finalized update (``seconds``: its duration on this rank)."""
-    _safe("record_update", seconds)
+def record_update(seconds: float, adapters: Optional[Mapping[str, int]] = None) -> None:
+    """Count one finalized update (``seconds``: its duration on this rank; ``adapters``: LoRA name -> bytes served)."""
+    _safe("record_update", seconds, adapters)
 
 
 def record_failure(kind: str) -> None:

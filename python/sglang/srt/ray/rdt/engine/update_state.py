@@ -223,7 +223,7 @@ class RankUpdateState:
                 self.failed_updates += 1
             self.last_update = summary
         if problem is None:
-            rdt_metrics.record_update(summary["update_seconds"])
+            rdt_metrics.record_update(summary["update_seconds"], summary.get("adapters"))
             logger.info(format_update(summary, self.rank))
         else:
             logger.error("%s; weights inconsistent: %s", format_update(summary, self.rank), problem)

@@ -247,7 +247,10 @@ class BenchTrainer:
         try:
             reg = client.register_lora_adapter("rl", {"peft_type": "LORA", "r": lora_specs[0][1][0],
                                                       "lora_alpha": 16, "target_modules": "all-linear"})
-            client.register()
+            with client.staging():  # registered as the other modes register theirs: the first update is prepared
+                first = dict(zip(names, [t.clone() for t in base]))
+            client.register(first)
+            del first
             for r in range(rounds):
                 seed = seed0 + r
                 pattern.fill(base, seed)

@@ -199,7 +199,11 @@ def test_sglang_serves_a_copy_that_later_updates_never_write(rank, monkeypatch):
     assert all(float(t.flatten()[0]) == 9.0 for t in stash.tensors.values())
     assert all(bool((t == 2.0).all()) for t in held.values())
 
+    served_sum = checksum({k.split(":", 1)[1]: t for k, t in _adapter(2.0).items()})
+    seen = []
+
     def refuse(stash):
+        seen.append(stash.checksum)  # a status read while sglang takes the new copy: still the served one's
         raise WeightSyncError("LoRA adapter rl: does not fit the memory pool")
 
     monkeypatch.setattr(rank.port, "lora_apply", refuse)
@@ -208,7 +212,7 @@ def test_sglang_serves_a_copy_that_later_updates_never_write(rank, monkeypatch):
     assert stash.served.data_ptr() == next(iter(held.values())).data_ptr()  # the last copy, still served
     st = rank.status().lora_adapters["rl"]
     assert (st["version"], st["weight_version"]) == (1, "v1")
-    assert st["checksum"] == checksum({k.split(":", 1)[1]: t for k, t in _adapter(2.0).items()})
+    assert seen == [served_sum] and st["checksum"] == served_sum
 
 
 def test_an_adapter_sglang_refuses_to_serve_stays_as_it_was(rank, monkeypatch):

@@ -103,7 +103,7 @@ class AdapterStash:
     served: Optional[torch.Tensor] = None  # a copy of ``flat`` as last committed
     version: int = 0  # commits so far
     weight_version: Optional[str] = None
-    _served_n: int = 0  # copies of ``flat`` taken so far (what a checksum is of)
+    _published: Tuple[int, Optional[torch.Tensor]] = (0, None)  # (commits, their copy): what a checksum is of
     _checksum: Tuple[int, str] = (-1, "")
 
     def commit(self, apply: Optional[Callable[["AdapterStash"], None]] = None) -> None:
@@ -116,7 +116,7 @@ class AdapterStash:
         except BaseException:
             self.served = last
             raise
-        self._served_n += 1  # (after ``served``: a reader who sees this count sees that copy)
+        self._published = (self._published[0] + 1, self.served)  # (one assignment: status reads it anytime)
 
     @property
     def committed(self) -> Dict[str, torch.Tensor]:
@@ -124,9 +124,8 @@ class AdapterStash:
 
     @property
     def checksum(self) -> str:
-        n = self._served_n  # (read first: a commit may run meanwhile on the scheduler)
+        n, served = self._published  # (never a copy being committed: a commit may run meanwhile on the scheduler)
         if self._checksum[0] != n:
-            served = self.served
             self._checksum = (n, checksum(_carve(served, {k: tuple(t.shape) for k, t in self.tensors.items()})))
         return self._checksum[1]
 

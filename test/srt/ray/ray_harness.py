@@ -177,8 +177,19 @@ class RayWorkerNode:
 
     @classmethod
     def join(
-        cls, head: RayHead, node_ip: str = "127.0.0.2", num_cpus: int = 2, timeout: float = 120
+        cls, head: RayHead, node_ip: str = "127.0.0.2", num_cpus: int = 2, timeout: float = 120, attempts: int = 2
     ) -> "RayWorkerNode":
+        """Join ``head``; a ``ray start`` that fails (on a loaded box the head's GCS can miss the new node's
+        deadline: "Failed to get node info ... Deadline Exceeded") is stopped and tried again, ``attempts`` in all."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return cls._join_once(head, node_ip, num_cpus, timeout)
+            except RuntimeError:
+                if attempt == attempts:
+                    raise
+
+    @classmethod
+    def _join_once(cls, head: RayHead, node_ip: str, num_cpus: int, timeout: float) -> "RayWorkerNode":
         temp_dir = tempfile.mkdtemp(prefix="rtw_", dir="/tmp")
         node = cls(head=head, node_ip=node_ip, temp_dir=temp_dir, num_cpus=num_cpus)
         cmd = [

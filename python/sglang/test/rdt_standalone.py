@@ -83,15 +83,15 @@ class ModelPort:
         return self._lora_layout(config), param.dtype, param.device
 
     def lora_apply(self, stash) -> None:
-        # A copy of every tensor into the adapter's slot on the device, tensor by tensor, as sglang's LoRA manager
-        # rewrites a resident adapter's memory-pool slot from the committed tensors (``keep_device``: no host copy)
+        # The committed tensors copied into the adapter's slot on the device in one batched copy, as sglang's LoRA
+        # manager rewrites a resident adapter's memory-pool slot from them (``keep_device``: no host copy; the
+        # slot's device-to-device copies batched)
         t0 = time.perf_counter()
         slot = self.lora_served.get(stash.name)
         committed = stash.committed
         if slot is None or {k: t.shape for k, t in slot.items()} != {k: t.shape for k, t in committed.items()}:
             slot = self.lora_served[stash.name] = {k: torch.empty_like(t) for k, t in committed.items()}
-        for key, t in committed.items():
-            slot[key].copy_(t, non_blocking=True)
+        torch._foreach_copy_([slot[key] for key in committed], list(committed.values()), non_blocking=True)
         self.lora_apply_seconds = time.perf_counter() - t0
 
 

@@ -552,6 +552,33 @@ def test_register_without_tensors_makes_the_slots_a_stream_fills(calm):
         assert_ranks_hold(toy, weights)
 
 
+def test_register_reserves_no_slots_on_a_direct_route_and_a_gathering_stream_makes_them_once(calm):
+    """Ranks that read in place: register() without tensors reserves no slot
+    memory (a trainer whose tensors are read where they are never needs it).
+    The first stream that must be gathered (transposed views) makes the two
+    slots once, large enough for any step of the ranks' parameters, and every
+    byte lands."""
+    toy = calm
+    weights = new_weights(seed=46)
+
+    def transposed():  # the same values, laid out column-major: not readable in place
+        for n, t in weights.items():
+            yield n, (t.t().contiguous().t() if t.dim() == 2 else t.clone())
+
+    with toy_client(toy, export="direct") as client:
+        client.register()
+        assert client.sender.sender is None and client.pool_bytes() == 0
+        stats = client.update(transposed(), version="transposed")
+        sender = client.sender.sender
+        assert stats.path in ("buckets", "direct+buckets") and stats.gathered_bytes >= sum(
+            t.nbytes for t in weights.values() if t.dim() == 2)
+        assert sender.stats["allocations"] == 2  # made once: no step outgrew them
+        assert sender.slot_bytes == client.slot_bytes_for_any_update(GROUP_BYTES) > GROUP_BYTES
+        again = client.update(transposed(), version="transposed-2")
+        assert again.gathered_bytes == stats.gathered_bytes and sender.stats["allocations"] == 2
+    assert_ranks_hold(toy, weights)
+
+
 def test_a_rank_that_cannot_read_this_process_gets_its_pulls_through_ray(calm, caplog):
     """A rank on this node that the kernel will not let read this process
     (here: ``SGLANG_RDT_CMA=0`` on the rank, as in a container without ptrace

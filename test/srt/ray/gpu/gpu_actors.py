@@ -100,7 +100,7 @@ class GpuTrainer:
         self.client.register()
         route = self.client.route()
         return {"direct": route.direct, "lanes": sorted(route.lanes), "ref_transport": route.ref_transport,
-                "why_not_direct": route.why_not_direct}
+                "why_not_direct": route.why_not_direct, "pool_bytes": self.client.pool_bytes()}
 
     def update(self, n: int, numel: int, seed: int, version: str, die_after_steps: int = 0,
                stream: bool = False, made: str = "pool", bad_name_at: int = -1,

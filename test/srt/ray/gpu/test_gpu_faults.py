@@ -69,7 +69,8 @@ def test_fresh_tensors_every_update_land_byte_for_byte_over_cuda_ipc(gpu_ray):
     try:
         ptrs = ray.get(rank.pointers.remote(), timeout=300)
         route = ray.get(trainer.connect.remote(rank), timeout=300)
-        assert route == {"direct": True, "lanes": [0], "ref_transport": None, "why_not_direct": None}
+        assert route == {"direct": True, "lanes": [0], "ref_transport": None, "why_not_direct": None,
+                         "pool_bytes": 0}  # register() reserved nothing: these tensors are read in place
         for seed in (11, 12, 13):
             out = ray.get(trainer.update.remote(N, NUMEL, seed, f"v{seed}"), timeout=300)
             assert "error" not in out, out
@@ -99,7 +100,8 @@ def test_tensors_made_outside_the_staging_pool_are_gathered_into_the_slots(gpu_r
     rank = GpuRank.options(**actor_options()).remote(N, NUMEL)
     trainer = GpuTrainer.options(**actor_options()).remote()
     try:
-        assert ray.get(trainer.connect.remote(rank), timeout=300)["direct"] is True
+        route = ray.get(trainer.connect.remote(rank), timeout=300)
+        assert (route["direct"], route["pool_bytes"]) == (True, 0)  # the slots come with the first gather
         mapped = []
         for seed in (21, 22, 23):
             out = ray.get(trainer.update.remote(N, NUMEL, seed, f"v{seed}", made=made), timeout=300)

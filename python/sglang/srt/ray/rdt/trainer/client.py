@@ -196,11 +196,12 @@ class WeightSyncClient:
                 self._prepare_direct(steps, plan.rank_groups)
             else:
                 self.sender.prepare(plan.slot_bytes, self.ranks)
-        elif not route.direct or self.device_obj.type == "cuda":  # the slots a stream's steps may be gathered into
-            self.sender.prepare(self._slot_bytes_for_any_update() or self.bucket_bytes, self.ranks)
+        elif not route.direct:  # every update is gathered into the slots: make them now
+            self.sender.prepare(self.slot_bytes_for_any_update(self.bucket_bytes) or self.bucket_bytes, self.ranks)
+        # (a direct route reserves nothing here: the first update that gathers makes the slots)
         return out
 
-    def _slot_bytes_for_any_update(self) -> Optional[int]:
+    def slot_bytes_for_any_update(self, bucket_bytes: int) -> Optional[int]:
         """Slots no update of these parameters outgrows (:func:`.buckets.slot_bytes_for`); None: a dtype unknown."""
         layouts = set()  # (replicas share a layout: one rank group)
         for layout in self._layouts:
@@ -208,7 +209,7 @@ class WeightSyncClient:
             if any(dtype is None for _, _, dtype in specs):
                 return None
             layouts.add(tuple(torch.Size(shape).numel() * dtype.itemsize for shape, _, dtype in specs))
-        return buckets.slot_bytes_for(list(layouts), self.bucket_bytes)
+        return buckets.slot_bytes_for(list(layouts), bucket_bytes)
 
     def _prepare_direct(self, steps, rank_groups) -> None:
         if self.device_obj.type == "cuda":

@@ -202,7 +202,9 @@ class Update:
         if need > c.sender.slot_bytes:  # first use, or a stream's tensor larger than the slots
             while self.flights:
                 self._land(self.flights.popleft())
-            c.sender.prepare(max(need, self.slot_bytes), c.ranks)
+            # a stream's slots: large enough for any step of these parameters, so none is made twice
+            any_step = (c.slot_bytes_for_any_update(self.bucket_bytes) or 0) if self.stream else 0
+            c.sender.prepare(max(need, self.slot_bytes, any_step), c.ranks)
         while len([f for f in self.flights if f.slot is not None]) >= 2:
             self._land(self.flights.popleft())  # (a stream: both slots in flight)
         slot, token = min({0, 1} - {f.slot for f in self.flights}), f"update {self._tag} step {index}"

@@ -69,8 +69,9 @@ def test_fresh_tensors_every_update_land_byte_for_byte_over_cuda_ipc(gpu_ray):
     try:
         ptrs = ray.get(rank.pointers.remote(), timeout=300)
         route = ray.get(trainer.connect.remote(rank), timeout=300)
-        assert route == {"direct": True, "lanes": [0], "ref_transport": None, "why_not_direct": None,
-                         "pool_bytes": 0}  # register() reserved nothing: these tensors are read in place
+        # register() made no slots (these tensors are read in place): the pool holds only the lane's probe
+        assert route.pop("pool_bytes") < N * NUMEL * 4
+        assert route == {"direct": True, "lanes": [0], "ref_transport": None, "why_not_direct": None}
         for seed in (11, 12, 13):
             out = ray.get(trainer.update.remote(N, NUMEL, seed, f"v{seed}"), timeout=300)
             assert "error" not in out, out
@@ -101,7 +102,7 @@ def test_tensors_made_outside_the_staging_pool_are_gathered_into_the_slots(gpu_r
     trainer = GpuTrainer.options(**actor_options()).remote()
     try:
         route = ray.get(trainer.connect.remote(rank), timeout=300)
-        assert (route["direct"], route["pool_bytes"]) == (True, 0)  # the slots come with the first gather
+        assert route["direct"] is True and route["pool_bytes"] < N * NUMEL * 4  # no slots until the first gather
         mapped = []
         for seed in (21, 22, 23):
             out = ray.get(trainer.update.remote(N, NUMEL, seed, f"v{seed}", made=made), timeout=300)

@@ -10,6 +10,7 @@ bytes are checked once.
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Tuple
@@ -28,6 +29,16 @@ def median_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> Tuple[flo
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts), ts
+
+
+def enable_peer_access(drv, from_ordinal: int, to_ordinal: int) -> None:
+    """Let GPU ``from_ordinal``'s context read ``to_ordinal``'s memory (once enabled, enabling again is fine)."""
+    from sglang.srt.ray.rdt.transport import cuda_driver
+
+    with cuda_driver.pushed(drv, from_ordinal):
+        rc = drv.cuCtxEnablePeerAccess(ctypes.c_void_p(drv.primary_ctx(to_ordinal)), 0)
+        if rc not in (0, 704):  # 704: CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            drv.check("cuCtxEnablePeerAccess", rc)
 
 
 def cuda_ceilings(specs, src_idx: int, dst_idx: int, reps: int) -> Dict[str, Any]:
@@ -64,7 +75,7 @@ def cuda_ceilings(specs, src_idx: int, dst_idx: int, reps: int) -> Dict[str, Any
         lambda: [d.copy_(s, non_blocking=True) for d, s in zip(dst, src)])
     drv = cuda_driver.driver()
     if src_idx != dst_idx:
-        drv.enable_peer_access(dst_idx, src_idx)
+        enable_peer_access(drv, dst_idx, src_idx)
     dptr = np.array([d.data_ptr() for d in dst], np.int64)
     sptr = np.array([s.data_ptr() for s in src], np.int64)
     size = np.array([s.nbytes for s in src], np.int64)

@@ -669,3 +669,44 @@ def test_copy_rows_number_the_chunks_of_every_copy_back_to_back_at_the_default_c
     per_copy = [-(-n // cuda_driver.CHUNK_BYTES) for n in nbytes]  # 13, 1, 4, 0, 1
     assert per_copy == [13, 1, 4, 0, 1]
     assert first.tolist() == [0, 13, 14, 18, 18] and nchunks == 19
+
+
+# --------------------------------------------------------------------------- #
+# The strided kernel's rows
+# --------------------------------------------------------------------------- #
+def _as_the_kernel_reads(rows, source: np.ndarray, n: int, esize: int) -> np.ndarray:
+    """What the strided kernel writes, computed here: element (r, c) of a row read at
+    ``src + (r * sR + c * sC) * esize`` and written at ``dst + (r * C + c) * esize`` (addresses are offsets)."""
+    out = np.full(n, -1, np.int64)
+    for dst, src, r, c, sr, sc, e in rows:
+        assert e == esize and dst % e == 0 and src % e == 0
+        rr, cc = np.meshgrid(np.arange(r), np.arange(c), indexing="ij")
+        out[dst // e + rr * c + cc] = source[src // e + rr * sr + cc * sc]
+    return out
+
+
+@pytest.mark.parametrize("make, blocks", [
+    (lambda b: b[:6000].view(100, 60).t(), 1),  # a transpose
+    (lambda b: b[:6000].view(100, 60)[:, 7:40], 1),  # a column slice
+    (lambda b: b[:8192][::2], 1),  # 1-D, a multiple of 32: 32 columns
+    (lambda b: b[:3003][::3], 1),  # 1-D otherwise: one row
+    (lambda b: b[:5 * 48 * 33].view(5, 48, 33).transpose(1, 2), 5),  # experts: a 2-D block each
+    (lambda b: b[:3 * 4 * 17 * 9].view(3, 4, 17, 9).permute(2, 0, 3, 1), 17 * 3),
+    (lambda b: b[:6000].view(10, 20, 30)[:, :, ::2], 1),  # the two leading dimensions merge
+    (lambda b: b[5:75].view(1, 70).expand(40, 70), 1),  # stride 0
+    (lambda b: b[:40].view(2, 20)[:, :1].view(2, 1).expand(2, 1), 1),
+], ids=["transpose", "slice", "every_other", "every_third", "experts", "permuted_4d", "merged", "expand", "size1"])
+def test_strided_rows_read_every_view_in_row_major_order(make, blocks):
+    base = torch.arange(20000, dtype=torch.int32)
+    v = make(base)
+    rows = cuda_driver.strided_rows(4096, v.storage_offset() * 4, v.shape, v.stride(), 4)
+    assert len(rows) == blocks
+    got = _as_the_kernel_reads([(d - 4096, *rest) for d, *rest in rows], base.numpy().astype(np.int64),
+                               v.numel(), 4)
+    assert got.tolist() == v.contiguous().view(-1).tolist()
+
+
+def test_strided_rows_refuse_a_view_of_more_blocks_than_allowed():
+    v = torch.arange(4 * 50 * 6, dtype=torch.int16).view(4, 50, 6).permute(1, 0, 2)  # 50 blocks of 4 x 6
+    assert cuda_driver.strided_rows(0, 0, v.shape, v.stride(), 2, max_blocks=49) is None
+    assert len(cuda_driver.strided_rows(0, 0, v.shape, v.stride(), 2, max_blocks=50)) == 50

@@ -82,3 +82,47 @@ def test_a_table_is_made_without_waiting_for_the_work_queued_before_it():
     assert not stream.query(), "table() waited for the stream to drain"
     rows = [tuple(r) for r in table.view(-1, 3).cpu().numpy().astype(np.uint64).tolist()]
     assert rows == chunks_of(dst, src, [CHUNK + 5, 9])
+
+
+def _views(dtype):
+    """Non-contiguous views of ``dtype`` the ways trainers make them, each of its own storage."""
+    def base(*shape):
+        n = int(np.prod(shape))
+        return torch.arange(n, device="cuda").to(torch.int64).remainder(251).to(dtype).view(shape) \
+            if dtype != torch.float32 else torch.randn(shape, device="cuda", dtype=dtype)
+
+    return {
+        "transpose": base(300, 77).t(),  # rows of the view are the source's columns
+        "transpose_square": base(64, 64).t(),
+        "column_slice": base(130, 100)[:, 3:61],  # a fused q/k/v weight's part
+        "row_and_column_step": base(99, 80)[::3, ::2],
+        "every_other": base(2 * 4096)[::2],  # 1-D, a multiple of 32
+        "every_third_odd": base(3 * 1001)[::3],  # 1-D, not a multiple of 32
+        "experts_transposed": base(5, 48, 33).transpose(1, 2),  # (E, in, out) of (E, out, in): 2-D blocks
+        "permuted_4d": base(3, 4, 17, 9).permute(2, 0, 3, 1),
+        "expanded": base(1, 70).expand(40, 70),  # stride 0
+        "narrow_tall": base(5000, 3)[:, 1],
+        "tiny": base(2, 2).t(),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.int64])
+def test_the_strided_kernel_lays_out_non_contiguous_views_row_major_bit_for_bit(dtype):
+    views = _views(dtype)
+    assert not any(v.is_contiguous() for v in views.values())
+    total = sum(v.nbytes for v in views.values())
+    slot = torch.full((total + 64,), 0xAB, dtype=torch.uint8, device="cuda")
+    rows, at, where = [], 0, {}
+    for name, v in views.items():
+        r = cuda_driver.strided_rows(slot.data_ptr() + at, v.data_ptr(), v.shape, v.stride(), v.element_size())
+        assert r is not None, name
+        rows += r
+        where[name] = at
+        at += v.nbytes
+    torch.cuda.synchronize()
+    cuda_driver.copy_kernel(0).strided(rows)
+    torch.cuda.synchronize()
+    for name, v in views.items():
+        got = slot[where[name]:where[name] + v.nbytes]
+        assert torch.equal(got, v.contiguous().view(-1).view(torch.uint8)), name
+    assert torch.equal(slot[total:], torch.full((64,), 0xAB, dtype=torch.uint8, device="cuda"))  # nothing beyond

@@ -17,7 +17,7 @@ import torch
 from sglang.srt.ray.rdt.errors import WeightSyncError, describe, unwrap
 from sglang.srt.ray.rdt.trainer import staging
 from sglang.srt.ray.rdt.transport import same_node
-from sglang.srt.ray.rdt.transport.cuda_driver import copy_ptrs
+from sglang.srt.ray.rdt.transport.cuda_driver import copy_kernel, copy_ptrs, strided_rows
 
 logger = logging.getLogger(__name__)
 
@@ -133,15 +133,24 @@ class BucketSender:
 
     @staticmethod
     def _gather(buf: torch.Tensor, dst: np.ndarray, group) -> None:
-        """Copy ``group``'s tensors to ``dst`` bit for bit: one kernel for the contiguous ones on the slot's GPU,
-        a copy into a view for each other one."""
+        """Copy ``group``'s tensors to ``dst`` bit for bit. On the slot's GPU: the contiguous ones in one kernel,
+        the other views in one strided kernel; a copy into a view for each other tensor."""
         sc = group.scan
-        here = sc.contiguous & (sc.device == (buf.device.index if buf.is_cuda else -1))
-        if buf.is_cuda and here.any():
-            copy_ptrs(buf.device.index, dst[here], sc.ptrs[here], sc.nbytes[here])
-        else:
-            here[:] = False
-        for i in np.flatnonzero(~here).tolist():
+        here = (sc.device == buf.device.index) & (sc.nbytes > 0) if buf.is_cuda else np.zeros(len(sc), bool)
+        flat = here & sc.contiguous
+        if flat.any():
+            copy_ptrs(buf.device.index, dst[flat], sc.ptrs[flat], sc.nbytes[flat])
+        rows, done = [], flat.copy()
+        for i in np.flatnonzero(here & ~sc.contiguous).tolist():
+            t = group.tensors[i]
+            view = strided_rows(int(dst[i]), int(sc.ptrs[i]), t.shape, t.stride(), t.element_size()) \
+                if t.element_size() in _BITS else None
+            if view is not None:
+                rows += view
+                done[i] = True
+        if rows:
+            copy_kernel(buf.device.index).strided(rows)
+        for i in np.flatnonzero(~done & (sc.nbytes > 0)).tolist():
             t = group.tensors[i]
             v = BucketSender._view(buf, int(dst[i]) - buf.data_ptr(), t)
             bits = _BITS.get(t.element_size()) if t.dtype.is_floating_point else None

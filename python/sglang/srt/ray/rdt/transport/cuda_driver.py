@@ -10,10 +10,10 @@ import ctypes
 import glob
 import os
 import threading
+from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
-CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
 
 
@@ -96,12 +96,6 @@ class _Driver:
         c = ctypes.c_void_p()
         self.check("cuCtxPopCurrent", self.cuCtxPopCurrent(ctypes.byref(c)))
 
-    def enable_peer_access(self, from_ordinal: int, to_ordinal: int) -> None:
-        with pushed(self, from_ordinal):
-            rc = self.cuCtxEnablePeerAccess(ctypes.c_void_p(self.primary_ctx(to_ordinal)), 0)
-            if rc not in (0, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
-                self.check("cuCtxEnablePeerAccess", rc)
-
     def address_range(self, ptr: int) -> Tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
         self.check("cuMemGetAddressRange", self.cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), ptr))
@@ -174,52 +168,10 @@ def memcpy_batch(drv: _Driver, dst, src, nbytes, stream: int, src_dev: int, dst_
     drv.check("cuMemcpyBatchAsync", drv.cuMemcpyBatchAsync(*args))
 
 
-_KERNEL_SRC = r"""
-extern "C" __global__ void __launch_bounds__(512)
-sglang_rdt_copy(const unsigned long long* __restrict__ tab, const int nchunks) {
-    for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
-        unsigned char* dst = (unsigned char*)tab[3 * c];
-        const unsigned char* src = (const unsigned char*)tab[3 * c + 1];
-        const unsigned long long n = tab[3 * c + 2];
-        const bool aligned = ((((unsigned long long)dst) | ((unsigned long long)src)) & 15ULL) == 0ULL;
-        const unsigned long long nv = aligned ? (n >> 4) : 0ULL;
-        const uint4* s4 = (const uint4*)src;
-        uint4* d4 = (uint4*)dst;
-        const unsigned long long b = blockDim.x;
-        for (unsigned long long i = threadIdx.x; i < nv; i += 8ULL * b) {
-            uint4 r[8];
-            #pragma unroll
-            for (int u = 0; u < 8; ++u) if (i + u * b < nv) r[u] = s4[i + u * b];
-            #pragma unroll
-            for (int u = 0; u < 8; ++u) if (i + u * b < nv) d4[i + u * b] = r[u];
-        }
-        for (unsigned long long i = (nv << 4) + threadIdx.x; i < n; i += b) dst[i] = src[i];
-    }
-}
-
-// The copy kernel's table from one row (dst, src, nbytes, first chunk) per
-// copy: a warp per copy writes its chunks' rows (every chunk's dst the row's
-// own when same_dst is set).
-extern "C" __global__ void
-sglang_rdt_chunks(const unsigned long long* __restrict__ rows, const int n,
-                  unsigned long long* __restrict__ tab, const unsigned long long chunk,
-                  const int same_dst) {
-    const int lane = threadIdx.x & 31;
-    const int warps = (gridDim.x * blockDim.x) >> 5;
-    for (int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < n; t += warps) {
-        const unsigned long long dst = rows[4 * t], src = rows[4 * t + 1], nbytes = rows[4 * t + 2];
-        unsigned long long* out = tab + 3 * rows[4 * t + 3];
-        for (unsigned long long c = lane; c * chunk < nbytes; c += 32) {
-            const unsigned long long off = c * chunk, left = nbytes - off;
-            out[3 * c] = same_dst ? dst : dst + off;
-            out[3 * c + 1] = src + off;
-            out[3 * c + 2] = left < chunk ? left : chunk;
-        }
-    }
-}
-"""
+KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "copy_kernels.cu"
 KERNEL_THREADS = 512
 TABLE_THREADS = 256
+STRIDED_BLOCK = (32, 8)  # threads of a block of the strided kernel (it copies 32 x 32 tiles)
 KERNEL_BLOCKS_PER_SM = 2
 CHUNK_BYTES = 256 << 10
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
@@ -275,26 +227,31 @@ def compile_ptx(source: str, arch: str) -> bytes:
 
 
 class CopyKernel:
-    """:data:`_KERNEL_SRC` loaded on one device: :meth:`launch` copies every chunk of a table in one launch."""
+    """:data:`KERNEL_SOURCE` loaded on one device: :meth:`launch` copies every chunk of a table in one launch,
+    :meth:`strided` lays out non-contiguous views in another."""
 
     def __init__(self, ordinal: int):
         drv = driver()
         self.ordinal = ordinal
         major = drv.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, ordinal)
         minor = drv.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, ordinal)
+        source = KERNEL_SOURCE.read_text()
         try:
-            ptx = compile_ptx(_KERNEL_SRC, f"compute_{major}{minor}")
+            ptx = compile_ptx(source, f"compute_{major}{minor}")
         except CudaDriverError:  # an NVRTC older than the device: the driver JITs older PTX
-            ptx = compile_ptx(_KERNEL_SRC, "compute_75")
+            ptx = compile_ptx(source, "compute_75")
         self._ptx = ctypes.create_string_buffer(ptx)
         self.grid_max = KERNEL_BLOCKS_PER_SM * drv.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, ordinal)
-        module, func, chunks = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self._module = ctypes.c_void_p()
         with pushed(drv, ordinal):
-            drv.check("cuModuleLoadData", drv.cuModuleLoadData(ctypes.byref(module), self._ptx))
-            drv.check("cuModuleGetFunction", drv.cuModuleGetFunction(ctypes.byref(func), module, b"sglang_rdt_copy"))
-            drv.check("cuModuleGetFunction",
-                      drv.cuModuleGetFunction(ctypes.byref(chunks), module, b"sglang_rdt_chunks"))
-        self._module, self._func, self._chunks = module, func, chunks
+            drv.check("cuModuleLoadData", drv.cuModuleLoadData(ctypes.byref(self._module), self._ptx))
+            self._func, self._chunks, self._strided = [self._function(drv, name) for name in (
+                b"sglang_rdt_copy", b"sglang_rdt_chunks", b"sglang_rdt_strided")]
+
+    def _function(self, drv: _Driver, name: bytes):
+        func = ctypes.c_void_p()
+        drv.check("cuModuleGetFunction", drv.cuModuleGetFunction(ctypes.byref(func), self._module, name))
+        return func
 
     def table(self, dst, src, nbytes, same_dst: bool = False):
         """The device table of copies ``dst[i] <- src[i]`` (``nbytes[i]``) in :data:`CHUNK_BYTES` chunks, made on
@@ -324,13 +281,33 @@ class CopyKernel:
         args = [ctypes.c_uint64(table_ptr), ctypes.c_int(nchunks)]
         self._launch(self._func, max(1, min(nchunks, self.grid_max)), KERNEL_THREADS, stream, args)
 
-    def _launch(self, func, grid: int, threads: int, stream: int, args) -> None:
-        """Queue ``func`` on ``stream`` with ``args`` (ctypes values) as its parameters."""
+    def strided(self, views) -> None:
+        """Lay out views row-major in one launch on the current stream, without waiting: ``views`` holds per view
+        ``(dst, src, rows, cols, row stride, col stride, element bytes)`` (strides in elements, see
+        :func:`strided_rows`; 1, 2, 4 or 8-byte elements; no view empty)."""
+        import numpy as np
+        import torch
+
+        rows = np.asarray(views, np.int64).reshape(-1, 7)
+        if not len(rows):
+            return
+        tiles = -(-rows[:, 2] // 32) * -(-rows[:, 3] // 32)
+        ends = np.cumsum(tiles)
+        table = np.ascontiguousarray(np.concatenate([rows, (ends - tiles)[:, None]], axis=1))
+        device = torch.device("cuda", self.ordinal)
+        table_dev = torch.from_numpy(table).pin_memory().to(device, non_blocking=True)
+        args = [ctypes.c_uint64(table_dev.data_ptr()), ctypes.c_int(len(rows)), ctypes.c_uint64(int(ends[-1]))]
+        stream = torch.cuda.current_stream(self.ordinal).cuda_stream
+        self._launch(self._strided, max(1, min(int(ends[-1]), self.grid_max * 8)), STRIDED_BLOCK, stream, args)
+
+    def _launch(self, func, grid: int, block, stream: int, args) -> None:
+        """Queue ``func`` on ``stream`` with ``args`` (ctypes values) as its parameters; ``block``: threads (x, y)."""
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+        bx, by = block if isinstance(block, tuple) else (block, 1)
         drv = driver()
         with pushed(drv, self.ordinal):
             drv.check("cuLaunchKernel", drv.cuLaunchKernel(
-                func, grid, 1, 1, threads, 1, 1, 0, ctypes.c_void_p(stream), params, None))
+                func, grid, 1, 1, bx, by, 1, 0, ctypes.c_void_p(stream), params, None))
 
 
 def copy_rows(dst, src, nbytes, chunk: int = CHUNK_BYTES):
@@ -357,6 +334,27 @@ def copy_ptrs(ordinal: int, dst, src, nbytes) -> None:
     kernel = copy_kernel(ordinal)
     table = kernel.table(dst, src, nbytes)
     kernel.launch(table.data_ptr(), table.numel() // 3, torch.cuda.current_stream(ordinal).cuda_stream)
+
+
+def strided_rows(dst: int, src: int, shape, strides, esize: int, max_blocks: int = 4096) -> Optional[list]:
+    """The rows of :meth:`CopyKernel.strided` laying out the view at ``src`` (``shape``, ``strides`` in elements,
+    ``esize``-byte elements) at ``dst`` row-major: dimensions merged where their strides allow, the last two one
+    2-D block per index of the others. None for more than ``max_blocks`` blocks."""
+    dims: list = []
+    for n, s in zip(shape, strides):
+        if n != 1 and dims and dims[-1][1] == n * s:
+            dims[-1] = (dims[-1][0] * n, s)
+        elif n != 1:
+            dims.append((n, s))
+    if len(dims) == 1 and dims[0][0] % 32 == 0:  # 1-D: as 32 columns, every thread of a tile has work
+        dims = [(dims[0][0] // 32, 32 * dims[0][1]), (32, dims[0][1])]
+    (r, sr), (c, sc) = ([(1, 0), (1, 0)] + dims)[-2:]
+    offs = [0]
+    for n, s in dims[:-2]:
+        if len(offs) * n > max_blocks:
+            return None
+        offs = [o + j * s for o in offs for j in range(n)]
+    return [(dst + b * r * c * esize, src + o * esize, r, c, sr, sc, esize) for b, o in enumerate(offs)]
 
 
 _kernels: Dict[int, CopyKernel] = {}

@@ -291,7 +291,8 @@ class CopyKernel:
         rows = np.asarray(views, np.int64).reshape(-1, 7)
         if not len(rows):
             return
-        tiles = -(-rows[:, 2] // 32) * -(-rows[:, 3] // 32)
+        edge = np.maximum(32, 128 // rows[:, 6])  # the kernel's tile side for the element size
+        tiles = -(-rows[:, 2] // edge) * -(-rows[:, 3] // edge)
         ends = np.cumsum(tiles)
         table = np.ascontiguousarray(np.concatenate([rows, (ends - tiles)[:, None]], axis=1))
         device = torch.device("cuda", self.ordinal)

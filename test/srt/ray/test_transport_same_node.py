@@ -710,9 +710,3 @@ def test_strided_rows_refuse_a_view_of_more_blocks_than_allowed():
     v = torch.arange(4 * 50 * 6, dtype=torch.int16).view(4, 50, 6).permute(1, 0, 2)  # 50 blocks of 4 x 6
     assert cuda_driver.strided_rows(0, 0, v.shape, v.stride(), 2, max_blocks=49) is None
     assert len(cuda_driver.strided_rows(0, 0, v.shape, v.stride(), 2, max_blocks=50)) == 50
-
-
-@pytest.mark.parametrize("esize, side", [(1, 128), (2, 64), (4, 32), (8, 32)])
-def test_a_1d_view_is_cut_into_rows_of_the_kernels_tile_side_for_its_element_size(esize, side):
-    assert cuda_driver.strided_rows(64, 8, (4096,), (3,), esize) == [(64, 8, 4096 // side, side, 3 * side, 3, esize)]
-    assert cuda_driver.strided_rows(64, 8, (4096 + 1,), (3,), esize) == [(64, 8, 1, 4097, 0, 3, esize)]  # one row

@@ -51,64 +51,37 @@ sglang_rdt_chunks(const unsigned long long* __restrict__ rows, const int n,
 // (dst, src, rows R, cols C, row stride sR, col stride sC, element bytes,
 // first tile); strides in elements. Element (r, c) is read at
 // src[r * sR + c * sC] and written at dst[r * C + c]. A block of 32 x 8
-// threads copies a square tile at a time, of 32 elements a side for 4- and
-// 8-byte elements, 64 for 2-byte and 128 for 1-byte ones (each thread has
-// 16 or more loads in flight). Where a view's rows are its source's columns
-// (sR == 1: a transpose), the tile goes through shared memory so that reads
-// and writes both run along memory; its rows are padded to 4-byte banks.
-template <typename T, int EDGE>
-__device__ void strided_tile(const unsigned long long* row, const unsigned long long tile, unsigned char* smem) {
-    constexpr int PAD = sizeof(T) < 4 ? 4 / sizeof(T) : 1, PITCH = EDGE + PAD, PER_Y = EDGE / 8, PER_X = EDGE / 32;
+// threads copies a 32 x 32 tile at a time. Where a view's rows are its
+// source's columns (sR == 1: a transpose), the tile goes through shared
+// memory, so that reads and writes both run along memory.
+template <typename T>
+__device__ void strided_tile(const unsigned long long* row, const unsigned long long tile, T (*buf)[33]) {
     T* dst = (T*)row[0];
     const T* src = (const T*)row[1];
     const long long R = row[2], C = row[3], sR = row[4], sC = row[5];
-    const long long across = (C + EDGE - 1) / EDGE;
-    const long long r0 = (long long)(tile / across) * EDGE, c0 = (long long)(tile % across) * EDGE;
+    const long long across = (C + 31) / 32;
+    const long long r0 = (long long)(tile / across) * 32, c0 = (long long)(tile % across) * 32;
     const int tx = threadIdx.x, ty = threadIdx.y;
-    T v[PER_Y][PER_X];
     if (sR == 1 && sC != 1) {
-        T (*buf)[PITCH] = (T (*)[PITCH])smem;  // buf[c - c0][r - r0]
-        #pragma unroll
-        for (int j = 0; j < PER_Y; ++j) {
-            #pragma unroll
-            for (int i = 0; i < PER_X; ++i) {
-                const long long r = r0 + tx + 32 * i, c = c0 + ty + 8 * j;
-                if (r < R && c < C) buf[ty + 8 * j][tx + 32 * i] = src[r + c * sC];
-            }
+        for (int k = ty; k < 32; k += 8) {
+            if (r0 + tx < R && c0 + k < C) buf[k][tx] = src[(r0 + tx) + (c0 + k) * sC];
         }
         __syncthreads();
-        #pragma unroll
-        for (int j = 0; j < PER_Y; ++j) {
-            #pragma unroll
-            for (int i = 0; i < PER_X; ++i) {
-                const long long r = r0 + ty + 8 * j, c = c0 + tx + 32 * i;
-                if (r < R && c < C) dst[r * C + c] = buf[tx + 32 * i][ty + 8 * j];
-            }
+        for (int k = ty; k < 32; k += 8) {
+            if (r0 + k < R && c0 + tx < C) dst[(r0 + k) * C + c0 + tx] = buf[tx][k];
         }
         __syncthreads();  // the tile is read before the next one lands
-        return;
-    }
-    #pragma unroll
-    for (int j = 0; j < PER_Y; ++j) {
-        #pragma unroll
-        for (int i = 0; i < PER_X; ++i) {
-            const long long r = r0 + ty + 8 * j, c = c0 + tx + 32 * i;
-            if (r < R && c < C) v[j][i] = src[r * sR + c * sC];
-        }
-    }
-    #pragma unroll
-    for (int j = 0; j < PER_Y; ++j) {
-        #pragma unroll
-        for (int i = 0; i < PER_X; ++i) {
-            const long long r = r0 + ty + 8 * j, c = c0 + tx + 32 * i;
-            if (r < R && c < C) dst[r * C + c] = v[j][i];
+    } else {
+        for (int k = ty; k < 32; k += 8) {
+            const long long r = r0 + k, c = c0 + tx;
+            if (r < R && c < C) dst[r * C + c] = src[r * sR + c * sC];
         }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 sglang_rdt_strided(const unsigned long long* __restrict__ rows, const int n, const unsigned long long ntiles) {
-    __shared__ __align__(16) unsigned char smem[128 * 132];  // the largest tile: 1-byte elements
+    __shared__ unsigned long long smem[32 * 33];
     for (unsigned long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         int lo = 0, hi = n - 1;  // the last view whose first tile is at most t
         while (lo < hi) {
@@ -118,10 +91,10 @@ sglang_rdt_strided(const unsigned long long* __restrict__ rows, const int n, con
         const unsigned long long* row = rows + 8 * lo;
         const unsigned long long tile = t - row[7];
         switch (row[6]) {  // the same for the whole block: its __syncthreads() are reached by all
-            case 1: strided_tile<unsigned char, 128>(row, tile, smem); break;
-            case 2: strided_tile<unsigned short, 64>(row, tile, smem); break;
-            case 4: strided_tile<unsigned int, 32>(row, tile, smem); break;
-            default: strided_tile<unsigned long long, 32>(row, tile, smem); break;
+            case 1: strided_tile<unsigned char>(row, tile, (unsigned char (*)[33])smem); break;
+            case 2: strided_tile<unsigned short>(row, tile, (unsigned short (*)[33])smem); break;
+            case 4: strided_tile<unsigned int>(row, tile, (unsigned int (*)[33])smem); break;
+            default: strided_tile<unsigned long long>(row, tile, (unsigned long long (*)[33])smem); break;
         }
     }
 }

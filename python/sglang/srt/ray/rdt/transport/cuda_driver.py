@@ -291,11 +291,11 @@ class CopyKernel:
         rows = np.asarray(views, np.int64).reshape(-1, 7)
         if not len(rows):
             return
-        edge = np.maximum(32, 128 // rows[:, 6])  # the kernel's tile side for the element size
-        tiles = -(-rows[:, 2] // edge) * -(-rows[:, 3] // edge)
+        tiles = -(-rows[:, 2] // 32) * -(-rows[:, 3] // 32)
         ends = np.cumsum(tiles)
         table = np.ascontiguousarray(np.concatenate([rows, (ends - tiles)[:, None]], axis=1))
-        table_dev = torch.from_numpy(table).pin_memory().to(torch.device("cuda", self.ordinal), non_blocking=True)
+        device = torch.device("cuda", self.ordinal)
+        table_dev = torch.from_numpy(table).pin_memory().to(device, non_blocking=True)
         args = [ctypes.c_uint64(table_dev.data_ptr()), ctypes.c_int(len(rows)), ctypes.c_uint64(int(ends[-1]))]
         stream = torch.cuda.current_stream(self.ordinal).cuda_stream
         self._launch(self._strided, max(1, min(int(ends[-1]), self.grid_max * 8)), STRIDED_BLOCK, stream, args)
@@ -346,9 +346,8 @@ def strided_rows(dst: int, src: int, shape, strides, esize: int, max_blocks: int
             dims[-1] = (dims[-1][0] * n, s)
         elif n != 1:
             dims.append((n, s))
-    k = max(32, 128 // esize)  # 1-D: as rows of the kernel's tile side (every thread of a tile has work)
-    if len(dims) == 1 and dims[0][0] % k == 0:
-        dims = [(dims[0][0] // k, k * dims[0][1]), (k, dims[0][1])]
+    if len(dims) == 1 and dims[0][0] % 32 == 0:  # 1-D: as 32 columns, every thread of a tile has work
+        dims = [(dims[0][0] // 32, 32 * dims[0][1]), (32, dims[0][1])]
     (r, sr), (c, sc) = ([(1, 0), (1, 0)] + dims)[-2:]
     offs = [0]
     for n, s in dims[:-2]:

@@ -171,7 +171,7 @@ def memcpy_batch(drv: _Driver, dst, src, nbytes, stream: int, src_dev: int, dst_
 KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "copy_kernels.cu"
 KERNEL_THREADS = 512
 TABLE_THREADS = 256
-STRIDED_BLOCK = (32, 8)  # threads of a block of the strided kernel (it copies 32 x 32 tiles)
+TILE, STRIDED_BLOCK = 32, (32, 8)  # the strided kernel: tile side (copy_kernels.cu), threads of a block
 KERNEL_BLOCKS_PER_SM = 2
 CHUNK_BYTES = 256 << 10
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
@@ -291,7 +291,7 @@ class CopyKernel:
         rows = np.asarray(views, np.int64).reshape(-1, 7)
         if not len(rows):
             return
-        tiles = -(-rows[:, 2] // 32) * -(-rows[:, 3] // 32)
+        tiles = -(-rows[:, 2] // TILE) * -(-rows[:, 3] // TILE)
         ends = np.cumsum(tiles)
         table = np.ascontiguousarray(np.concatenate([rows, (ends - tiles)[:, None]], axis=1))
         device = torch.device("cuda", self.ordinal)
@@ -346,8 +346,8 @@ def strided_rows(dst: int, src: int, shape, strides, esize: int, max_blocks: int
             dims[-1] = (dims[-1][0] * n, s)
         elif n != 1:
             dims.append((n, s))
-    if len(dims) == 1 and dims[0][0] % 32 == 0:  # 1-D: as 32 columns, every thread of a tile has work
-        dims = [(dims[0][0] // 32, 32 * dims[0][1]), (32, dims[0][1])]
+    if len(dims) == 1 and dims[0][0] % TILE == 0:  # 1-D: as TILE columns, every thread of a tile has work
+        dims = [(dims[0][0] // TILE, TILE * dims[0][1]), (TILE, dims[0][1])]
     (r, sr), (c, sc) = ([(1, 0), (1, 0)] + dims)[-2:]
     offs = [0]
     for n, s in dims[:-2]:

@@ -8,8 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.ray.rdt.errors import WeightSyncRankError, unwrap
 
-# How long a control call on a rank (status, begin, finalize) may take.
-RANK_CALL_TIMEOUT_S = 300.0
+RANK_CALL_TIMEOUT_S = 300.0  # how long a control call on a rank (status, begin, finalize) may take
 
 
 def gather(calls: Sequence[Tuple[int, Any]], phase: str, timeout_s: float,

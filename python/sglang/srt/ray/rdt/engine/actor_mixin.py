@@ -9,6 +9,7 @@ unless generation is paused and no batch is running. On a TP/PP group, begin/fin
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -79,8 +80,6 @@ class RankActorApi:
         rank's TP/PP group: created zeroed, or kept (slot, weights) if the config is the same. Its tensors travel
         in an update as ``"{lora_name}:{PEFT key}"``, unsharded; returns them (``expected_tensors``: name -> shape,
         ``dtype``). ``POST /register_lora_adapter`` calls this on every group and serves the adapter by name."""
-        import uuid
-
         return self._sync().register_lora(lora_name, config_dict, lora_id or uuid.uuid4().hex)
 
     def get_weight_sync_status(self) -> Dict[str, Any]:

@@ -31,8 +31,7 @@ def engine_view(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The engine-wide figures, derived from every rank's status."""
     bad = [r for r in ranks if not r.get("weights_consistent", True)]
     versions = {r.get("weight_version") for r in ranks}
-    return {"weights_consistent": not bad,
-            "inconsistent_reason": bad[0].get("inconsistent_reason") if bad else None,
+    return {"weights_consistent": not bad, "inconsistent_reason": bad[0].get("inconsistent_reason") if bad else None,
             "weight_version": versions.pop() if len(versions) == 1 else sorted(map(str, versions)),
             "updates": min((r.get("updates", 0) for r in ranks), default=0),
             "failed_updates": max((r.get("failed_updates", 0) for r in ranks), default=0)}

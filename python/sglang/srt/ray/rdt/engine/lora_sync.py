@@ -48,8 +48,7 @@ class RankLoRA:
 
     def end(self, state, weight_version: Optional[str]) -> Optional[Dict[str, int]]:
         """The update ``state`` holds ends: serve the adapters it wrote whole (one a broken pull wrote in goes back
-        to what is served); a refusal marks their tensors failed. The bytes each served adapter moved, or None (no
-        adapters: an update's names are looked at only when there are)."""
+        to what is served); a refusal marks their tensors failed. The bytes each served adapter moved, or None."""
         if not self.stashes.stashes:
             return None
         written = state.written_names()

@@ -1,7 +1,6 @@
 """Prometheus metrics of RDT weight sync on a rank (``--enable-metrics``), labelled dp/pp/tp rank.
 
-They go where sglang's scheduler metrics of the process go (:func:`default_backend`). Off until
-:func:`configure`; the ``record_*`` functions, called only by ``RankUpdateState``, never raise.
+Off until :func:`configure`, then beside sglang's scheduler metrics (:func:`default_backend`); ``record_*`` never raise.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Where each pulled tensor lands: pure checks over names, shapes and dtypes.
 
-Every source is checked before any is read, so a rejected pull touches no weight; :class:`PlanCache` keeps the
-plans of layouts that come again.
-"""
+Every source is checked before any is read, so a rejected pull touches no weight; :class:`PlanCache` keeps plans."""
 
 from __future__ import annotations
 
 import threading
 from collections import abc
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -58,14 +56,12 @@ def group_names(param_names: NamesArg, counts: Sequence[int]) -> List[List[str]]
         if len(flat) != total:
             detail = (f"first extra name: {flat[total]!r}" if len(flat) > total
                       else f"the refs' tensors past the names start at index {len(flat)}")
-            raise WeightSyncError(f"too {'many' if len(flat) > total else 'few'} names: the refs hold "
-                                  f"{total} tensors ({'+'.join(map(str, counts))}) but {len(flat)} names "
-                                  f"were given ({detail})")
+            raise WeightSyncError(f"too {'many' if len(flat) > total else 'few'} names: the refs hold {total} tensors "
+                                  f"({'+'.join(map(str, counts))}) but {len(flat)} names were given ({detail})")
         groups = [flat[end - c : end] for c, end in zip(counts, accumulate(counts))]
-    for g in groups:
-        for n in g:
-            if not isinstance(n, str):
-                raise WeightSyncError(f"parameter names must be strings, got {n!r}")
+    for n in chain.from_iterable(groups):
+        if not isinstance(n, str):
+            raise WeightSyncError(f"parameter names must be strings, got {n!r}")
     return groups
 
 
@@ -98,10 +94,9 @@ def plan_pull(specs_per_ref: Sequence[Sequence[TensorSpec]], names_per_ref: Sequ
                                       f"{spec.describe()}: only torch tensors can be pulled into parameters")
             if target.shape != spec.shape or target.dtype != spec.dtype:  # (a Size is a tuple)
                 actual = TensorSpec(tuple(target.shape), target.dtype)
-                raise WeightSyncError(f"layout mismatch for {name!r} ({_where(ref_idx, pos)}): the "
-                                      f"trainer sent {spec.describe()}, the rollout parameter is "
-                                      f"{actual.describe()}; send tensors in the rollout layout (dtype and "
-                                      "TP shard of this rank)")
+                raise WeightSyncError(f"layout mismatch for {name!r} ({_where(ref_idx, pos)}): the trainer sent "
+                                      f"{spec.describe()}, the rollout parameter is {actual.describe()}; send tensors "
+                                      "in the rollout layout (dtype and TP shard of this rank)")
             if not target.is_contiguous():
                 raise WeightSyncError(f"parameter {name!r} is not contiguous in the rollout model (strides "
                                       f"{list(target.stride())}); RDT can only write into contiguous storage")
@@ -127,8 +122,7 @@ def unique_storages(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return out
 
 
-# Pull plans kept (one per layout a trainer sends: the same few every update).
-MAX_CACHED_PLANS = 256
+MAX_CACHED_PLANS = 256  # pull plans kept (one per layout a trainer sends: the same few every update)
 
 
 class CachedPlan:

@@ -1,10 +1,8 @@
 """The rank core of RDT weight sync (:class:`RankWeightSync`), reaching the scheduler only through its port.
 
-Threads: the scheduler's loop thread runs every pull, begin, finalize and abort at its safe point; Ray's actor
-threads and the lane's threads only queue that work and wait (status runs on them). A pull
-is refused unless generation is paused and no batch is running. Locks, taken in this order: the receiver's, the
-update state's (never held while taking another), the same-node reader's.
-"""
+Threads: the scheduler's loop thread runs every pull, begin, finalize and abort at its safe point; Ray's actor threads
+and the lane's threads only queue that work and wait (status runs on them). Locks, taken in this order: the receiver's,
+the update state's (never held while taking another), the same-node reader's."""
 
 from __future__ import annotations
 
@@ -32,12 +30,11 @@ NOT_PAUSED_IN_SESSION = ("a weight-update session is open but generation is not 
                          "answered between pulls from a partly written model")
 _NOT_PAUSED_YET = object()
 
-NOT_QUIESCED = (
-    "refusing to pull weights while generation may run on this rank: {why}. Pause generation first — "
-    "POST /pause_generation (mode abort, retract or in_place), then POST /begin_weight_update; "
-    "POST /weight_sync/begin, RayEngine.begin_weight_sync() and WeightSyncClient.update() drain in-flight "
-    "requests and pause instead — and end the update with POST /end_weight_update and /continue_generation."
-)
+NOT_QUIESCED = ("refusing to pull weights while generation may run on this rank: {why}. Pause generation first — "
+                "POST /pause_generation (mode abort, retract or in_place), then POST /begin_weight_update; "
+                "POST /weight_sync/begin, RayEngine.begin_weight_sync() and WeightSyncClient.update() drain "
+                "in-flight requests and pause instead — and end the update with POST /end_weight_update and "
+                "/continue_generation.")
 CONTINUED_MID_UPDATE = ("generation continued while an update that had written weights was still open: requests "
                         "may have been answered from a partly written model until the update ends")
 
@@ -57,7 +54,6 @@ class RankWeightSync:
         self.device = device
         self.safe_point = safe_point
         self.transports = list(transports)
-        # (the model's parameters: LoRA adapters' tensors are named "{lora}:{key}")
         self.state = RankUpdateState(param_names=self._model_param_names, rank=rank, weight_version=port.weight_version)
         self.lora = RankLoRA(port)
         self.receiver = RdtWeightReceiver(lambda: dict(self._params()), device=device, pull_timeout_s=pull_timeout_s,
@@ -66,8 +62,7 @@ class RankWeightSync:
         self._lane_lock = threading.Lock()  # guards making the lane (once)
         self._refresh_posted = False  # prepare_next_pull's walk is queued
         self.idle_sleep = "off"  # how the loop's --sleep-on-idle wait meets queued calls (the actor says)
-        # GroupCalls of a TP/PP group (managers/scheduler_group_calls.py); None: a group of one rank.
-        self.group = None
+        self.group = None  # GroupCalls of a TP/PP group (managers/scheduler_group_calls.py); None: a group of one rank
 
     def _model_param_names(self) -> List[str]:
         names = self.receiver.param_names()  # (adapters' tensors are named "{lora_name}:{key}")
@@ -322,8 +317,7 @@ class RankWeightSync:
         self.receiver.on_weights_resumed()
 
     def on_weights_loaded(self, source: str) -> None:
-        # sglang's own update_weights_from_* (post-load may replace parameters)
-        self.receiver.on_weights_loaded()
+        self.receiver.on_weights_loaded()  # sglang's own update_weights_from_* (post-load may replace parameters)
         self.prepare_next_pull()
 
     def on_weight_update_begin(self) -> None:

@@ -1,7 +1,6 @@
 """The receiving side of RDT weight sync: a pull is plan -> admit -> read -> record, into live parameters.
 
-A source that fails after a byte may have landed leaves the weights inconsistent until a clean update ends.
-"""
+A source that fails after a byte may have landed leaves the weights inconsistent until a clean update ends."""
 
 from __future__ import annotations
 
@@ -25,20 +24,17 @@ logger = logging.getLogger(__name__)
 # A NIXL pull at least this large and slower than this fell back to TCP (no GPU path).
 SLOW_NIXL_MIN_BYTES = 64 << 20
 SLOW_NIXL_BPS = 2e9
-SLOW_NIXL = (
-    "[RDT] a NIXL pull of %.1f MiB ran at %.2f GB/s: UCX found no GPU path and fell back to TCP. Causes seen: "
-    "trainer and rank on the same GPU (use transport 'SGLANG_IPC' or WeightSyncClient, which read over CUDA IPC "
-    "there); tensors in expandable segments (unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); no RDMA "
-    "between nodes. UCX_PROTO_INFO=y prints the protocol UCX picked."
-)
+SLOW_NIXL = ("[RDT] a NIXL pull of %.1f MiB ran at %.2f GB/s: UCX found no GPU path and fell back to TCP. Causes "
+             "seen: trainer and rank on the same GPU (use transport 'SGLANG_IPC' or WeightSyncClient, which read over "
+             "CUDA IPC there); tensors in expandable segments (unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True);"
+             " no RDMA between nodes. UCX_PROTO_INFO=y prints the protocol UCX picked.")
 
 
 class RdtWeightReceiver:
     """Pull sources into the live parameters returned by ``get_params``."""
 
-    def __init__(self, get_params: Callable[[], Mapping[str, torch.Tensor]], *,
-                 device: Optional[torch.device] = None, pull_timeout_s: float = PULL_TIMEOUT_S,
-                 registration_disabled_reason: Optional[str] = None,
+    def __init__(self, get_params: Callable[[], Mapping[str, torch.Tensor]], *, device: Optional[torch.device] = None,
+                 pull_timeout_s: float = PULL_TIMEOUT_S, registration_disabled_reason: Optional[str] = None,
                  registrations: Optional[RegistrationBook] = None, state: Optional[RankUpdateState] = None):
         self._device = device
         self.pull_timeout_s = pull_timeout_s
@@ -185,15 +181,13 @@ class RdtWeightReceiver:
             if not reads and isinstance(e, NotReadable):
                 raise  # refused before any byte moved
             names = [n for ns, _ in writes for n in ns]
-            reason = (f"a pull of {plan.count} tensors failed mid-transfer after "
-                      f"{time.perf_counter() - t1:.2f} s ({type(e).__name__}); some parameters "
-                      "may hold new bytes and others old ones")
+            reason = (f"a pull of {plan.count} tensors failed mid-transfer after {time.perf_counter() - t1:.2f} s "
+                      f"({type(e).__name__}); some parameters may hold new bytes and others old ones")
             self.state.transfer_failed(names, reason)
             self._plans.forget()
             logger.error("[RDT] %s: %s", reason, e)
-            raise WeightsInconsistentError(
-                f"{reason}. The engine reports its weights as inconsistent until a complete "
-                f"update ends. Cause: {type(e).__name__}: {e}") from e
+            raise WeightsInconsistentError(f"{reason}. The engine reports its weights as inconsistent until a complete "
+                                           f"update ends. Cause: {type(e).__name__}: {e}") from e
         return reads
 
     def _record(self, plan, writes, reads, reused, t_plan, t_fetch, t0) -> Dict[str, Any]:
@@ -206,13 +200,11 @@ class RdtWeightReceiver:
             logger.warning(SLOW_NIXL, nixl_bytes / 2**20, nixl_bytes / nixl_s / 1e9)
         seconds = time.perf_counter() - t0
         stats = {
-            "tensors": plan.count, "bytes": plan.nbytes, "seconds": seconds,
-            "fetch_seconds": t_fetch, "plan_seconds": t_plan,
-            "gbps": plan.nbytes / t_fetch / 1e9 if t_fetch > 0 else float("inf"),
+            "tensors": plan.count, "bytes": plan.nbytes, "seconds": seconds, "fetch_seconds": t_fetch,
+            "plan_seconds": t_plan, "gbps": plan.nbytes / t_fetch / 1e9 if t_fetch > 0 else float("inf"),
             "sources": len(reads), "transports": transports, "transport": ",".join(transports),
-            "registered": self.registered, "plan_reused": reused,
-            "reads": [r.__dict__ for r in reads], "fenced": any(r.fenced for r in reads),
-            "timing": {"pull_start": t0, "pull_end": t0 + seconds},
+            "registered": self.registered, "plan_reused": reused, "reads": [r.__dict__ for r in reads],
+            "fenced": any(r.fenced for r in reads), "timing": {"pull_start": t0, "pull_end": t0 + seconds},
         }
         self.state.landed(writes, stats)
         level = logging.DEBUG if reused else logging.INFO

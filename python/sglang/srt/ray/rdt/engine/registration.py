@@ -1,8 +1,7 @@
 """Keeping a rank's parameters registered with NIXL, and naming the memory that cannot be.
 
 Memory of PyTorch's ``expandable_segments`` allocator cannot be exported by legacy CUDA IPC, which UCX needs for
-a GPU path: it is named before a pull silently crawls over TCP.
-"""
+a GPU path: it is named before a pull silently crawls over TCP."""
 
 from __future__ import annotations
 
@@ -115,9 +114,8 @@ class ParameterRegistration:
         params = [p.data for p in walk.values()]
         warn_if_expandable_segments(params)
         changes = self.book.sync(params)
-        # (this walk is the next pull's: it plans against it without walking again)
         self._layout = _storage_layout(params)
-        self._plans.restart(walk)
+        self._plans.restart(walk)  # (this walk is the next pull's: it plans against it without walking again)
         self.wanted = True
         return changes
 

@@ -110,10 +110,9 @@ class SglangSchedulerPort:
         manager = self._lora_manager()
         cfg = LoRAConfig.from_dict(config, base_vocab_size=manager.base_hf_config.vocab_size)
         if cfg.use_dora or cfg.hf_config.get("use_rslora") or not manager.memory_pool.can_support(cfg):
-            raise WeightSyncError(
-                f"LoRA config r={cfg.r}, target_modules={cfg.target_modules} does not fit this engine: "
-                f"r must be <= --max-lora-rank ({manager.max_lora_rank}) and the targets within "
-                f"--lora-target-modules; DoRA and rsLoRA are not served")
+            raise WeightSyncError(f"LoRA config r={cfg.r}, target_modules={cfg.target_modules} does not fit this "
+                                  f"engine: r must be <= --max-lora-rank ({manager.max_lora_rank}) and the targets "
+                                  "within --lora-target-modules; DoRA and rsLoRA are not served")
         layout = expected_tensors(manager.lora_modules, cfg.target_modules, cfg.r)
         if not layout:
             raise WeightSyncError(f"no layer of this model is targeted by {cfg.target_modules}")

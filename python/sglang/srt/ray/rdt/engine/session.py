@@ -20,8 +20,7 @@ from sglang.srt.ray.rdt.errors import WeightSyncSessionError
 
 logger = logging.getLogger(__name__)
 
-# The lora_path of adapters made from tensors (sglang's own tensor loads use it too).
-TENSOR_PATH = "__tensor__"
+TENSOR_PATH = "__tensor__"  # the lora_path of adapters made from tensors (sglang's own tensor loads use it too)
 
 
 class WeightSyncSession:
@@ -86,8 +85,7 @@ class WeightSyncSession:
                     await self._tm.update_weight_version(UpdateWeightVersionReqInput(new_version=str(weight_version)))
                 await self._lifecycle("end_weight_update_communicator", EndWeightUpdateReqInput())
                 flushed = bool((await self._tm.flush_cache()).success) if flush_cache else False
-            except WeightSyncSessionError as e:
-                # The ranks closed the session; the update is not a clean one.
+            except WeightSyncSessionError as e:  # the ranks closed the session; the update is not a clean one
                 await self._release()
                 logger.error("[RDT] update session ended with a problem: %s", e)
                 raise

@@ -1,11 +1,9 @@
 """The weight-update state of one rank (:class:`RankUpdateState`): the single owner of everything an update is.
 
-Every front door ends up here. A second writer of a parameter in one update is refused before any byte of its
-pull lands and the update is marked conflicting (the same writer again, a retry, is allowed and counted). A pull
-that broke mid-transfer leaves the rank inconsistent until an update ends in which every parameter of that pull
-was written again and no conflict happened. The weight version is sglang's, read when an update ends.
-Mutating calls run on the scheduler thread; the lock makes the status readable from other threads.
-"""
+A second writer of a parameter in one update is refused before any byte of its pull lands and the update is marked
+conflicting (a retry by the same writer is allowed and counted). A pull that broke mid-transfer leaves the rank
+inconsistent until an update ends in which every parameter of that pull was written again and no conflict happened.
+Mutating calls run on the scheduler thread; the lock makes the status readable from other threads."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ from sglang.srt.ray.rdt.errors import WeightUpdateConflictError
 
 logger = logging.getLogger(__name__)
 
-# How many never-written parameter names a summary lists.
-MAX_LISTED_NAMES = 20
+MAX_LISTED_NAMES = 20  # how many never-written parameter names a summary lists
 
 
 @dataclass(frozen=True)
@@ -136,12 +133,11 @@ class RankUpdateState:
                         self._conflict(u, name, prev, writer)
 
     def _conflict(self, u: _Update, name: str, prev: Writer, writer: Writer) -> None:
-        message = (
-            f"parameter {name!r} was already written in this update by {prev.label}; refusing the pull from "
-            f"{writer.label}. Two writers must not write the same parameter in one update (a restarted trainer "
-            "whose old process still runs, or two jobs pointed at one engine?). Nothing of this pull was written; "
-            "the update is marked inconsistent: end or abort it, then run a clean update from one trainer"
-        )
+        message = (f"parameter {name!r} was already written in this update by {prev.label}; refusing the pull from "
+                   f"{writer.label}. Two writers must not write the same parameter in one update (a restarted "
+                   "trainer whose old process still runs, or two jobs pointed at one engine?). Nothing of this pull "
+                   "was written; the update is marked inconsistent: end or abort it, then run a clean update from "
+                   "one trainer")
         u.conflict = u.conflict or message
         self._mark_inconsistent(message)
         self.fail("conflict")
@@ -209,10 +205,8 @@ class RankUpdateState:
                 "gbps": u.bytes / u.transfer_s / 1e9 if u.transfer_s > 0 else 0.0,
                 "transport": ",".join(u.transports) or "none", "update_seconds": self._clock() - u.started,
                 "params_updated": count, "params_total": None if names is None else len(names),
-                "writers": len(writers), "writer_labels": writers,
-                "rewrites": u.rewrites, "conflict": u.conflict,
-                "consistent": self._consistent, "inconsistent_reason": self._reason,
-                **extra,
+                "writers": len(writers), "writer_labels": writers, "rewrites": u.rewrites, "conflict": u.conflict,
+                "consistent": self._consistent, "inconsistent_reason": self._reason, **extra,
             }
             if names is not None:  # (every name written: the writers hold as many names)
                 never = [] if count == len(names) else [n for n in names if n not in u.written()]
@@ -277,13 +271,11 @@ class RankUpdateState:
 
     def status(self) -> Dict[str, Any]:
         with self._lock:
-            return {
-                "weights_consistent": self._consistent, "inconsistent_reason": self._reason,
-                "weight_version": self._weight_version(), "update_open": self._update is not None,
-                "update_in_progress": self.in_progress(), "updates": self.updates,
-                "failed_updates": self.failed_updates, "failures": dict(self.failures),
-                "last_update": self.last_update, **self.totals,
-            }
+            return {"weights_consistent": self._consistent, "inconsistent_reason": self._reason,
+                    "weight_version": self._weight_version(), "update_open": self._update is not None,
+                    "update_in_progress": self.in_progress(), "updates": self.updates,
+                    "failed_updates": self.failed_updates, "failures": dict(self.failures),
+                    "last_update": self.last_update, **self.totals}
 
     def _mark_inconsistent(self, reason: str) -> None:
         self._consistent, self._reason = False, reason
@@ -308,13 +300,11 @@ def format_update(summary: Dict[str, Any], rank: str = "") -> str:
     of = f" of {total}" if total is not None else ""
     writers = summary.get("writers", 0)
     return (
-        f"[RDT] weight update{where} done: weight_version={summary.get('weight_version')} "
-        f"tensors={summary['tensors']} bytes={summary['bytes']} "
-        f"({summary['bytes'] / 2**20:.2f} MiB) in {summary['pulls']} pulls, "
-        f"{summary.get('params_updated', 0)}{of} parameters updated by {writers} "
-        f"writer{'s' if writers != 1 else ''} ({summary.get('rewrites', 0)} rewritten), "
-        f"transfer {summary['transfer_seconds']:.4f} s ({summary['gbps']:.3f} GB/s), "
-        f"update {summary['update_seconds']:.3f} s, transport={summary['transport']}"
+        f"[RDT] weight update{where} done: weight_version={summary.get('weight_version')} tensors={summary['tensors']} "
+        f"bytes={summary['bytes']} ({summary['bytes'] / 2**20:.2f} MiB) in {summary['pulls']} pulls, "
+        f"{summary.get('params_updated', 0)}{of} parameters updated by {writers} writer{'s' if writers != 1 else ''} "
+        f"({summary.get('rewrites', 0)} rewritten), transfer {summary['transfer_seconds']:.4f} s "
+        f"({summary['gbps']:.3f} GB/s), update {summary['update_seconds']:.3f} s, transport={summary['transport']}"
         + (f", cache flushed={summary['flushed_cache']}" if "flushed_cache" in summary else "")
         + "".join(f", LoRA {name}: {n} bytes" for name, n in (summary.get("adapters") or {}).items())
     )

@@ -82,10 +82,9 @@ class WeightSyncClient:
         self.ranks: List[RankInfo] = [RankInfo(i, a, n) for i, (a, n) in enumerate(zip(actors, names))]
         self.labels = [r.label() for r in self.ranks]
         self.url = url.rstrip("/") if url else None
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        self.device_obj = dev
+        self.device_obj = torch.device(device)
+        if self.device_obj.type == "cuda" and self.device_obj.index is None:
+            self.device_obj = torch.device("cuda", torch.cuda.current_device())
         self.bucket_bytes = int(bucket_bytes or bucket_bytes_for(device))
         self.pull_timeout_s = pull_timeout_s
         self.lease_s = float(lease_s)
@@ -184,8 +183,7 @@ class WeightSyncClient:
         if self.device_obj.type == "cuda":
             same_node.warm(self.device_obj)  # the gathers' copy kernel, built here rather than in an update
         self.parameter_layouts(refresh=True)
-        self._statuses = None
-        self._route = None
+        self._statuses = self._route = None
         route = self.route()
         if named_tensors is not None:
             if buckets.is_stream(named_tensors):
@@ -312,9 +310,8 @@ class WeightSyncClient:
         for flight in list(self.stuck):
             settle(flight.calls, 1.0)
             if unfinished(flight.calls):
-                raise WeightSyncError(
-                    f"a pull of a previous, failed update still reads bucket slot {flight.slot}; "
-                    "wait for it or restart the ranks before the next update")
+                raise WeightSyncError(f"a pull of a previous, failed update still reads bucket slot {flight.slot}; "
+                                      "wait for it or restart the ranks before the next update")
             self.sender.call("release", flight.slot, flight.token)
             self.stuck.remove(flight)
 

@@ -126,7 +126,6 @@ def not_found(name: str, namespace: str, port: int) -> str:
     same_port = sorted(f"{a['namespace']}/{a['name']}" for a in listed if f"_port{port}_" in a["name"])
     hint = (f" Actors of an engine on port {port}: {same_port[:8]}." if same_port
             else f" No actor of any engine on port {port} exists in this cluster.")
-    return (f"no SchedulerActor named {name!r} in namespace {namespace!r}.{hint} Check that "
-            "the engine runs with --backend ray --enable-rdt-weight-sync and "
-            "--ray-namespace, that this process joined the same cluster, and the layout "
-            "(dp/tp/pp sizes, node_ip of rank 0, bundle_index).")
+    return (f"no SchedulerActor named {name!r} in namespace {namespace!r}.{hint} Check that the engine runs with "
+            "--backend ray --enable-rdt-weight-sync and --ray-namespace, that this process joined the same cluster, "
+            "and the layout (dp/tp/pp sizes, node_ip of rank 0, bundle_index).")

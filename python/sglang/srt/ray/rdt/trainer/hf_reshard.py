@@ -31,12 +31,9 @@ LAYOUT_SERVER_ARGS = ("dtype", "quantization", "trust_remote_code", "revision", 
 # Fields of /parallelism_config that do not change which slice a rank holds.
 _NOT_LAYOUT = ("dp_rank", "dp_size", "node_rank", "nnodes", "world_rank", "world_size")
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-    "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 @dataclass(frozen=True)
@@ -73,10 +70,9 @@ def checkpoint_layout(model_path: Union[str, Path]) -> Dict[str, HFTensorSpec]:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception as e:
-        raise WeightSyncError(
-            f"cannot tell the Hugging Face layout of {str(root)!r} (no *.safetensors, "
-            f"and transformers could not build it: {e}); pass model_path= a checkpoint "
-            "directory of the rollout model") from e
+        raise WeightSyncError(f"cannot tell the Hugging Face layout of {str(root)!r} (no *.safetensors, and "
+                              f"transformers could not build it: {e}); pass model_path= a checkpoint directory of "
+                              "the rollout model") from e
     return {name: HFTensorSpec(tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
 
 
@@ -126,8 +122,7 @@ class _Replica:
                 device_config=DeviceConfig(device=device))
         self.mapper = ParameterMapper.from_model(self.model)
         self.params = dict(self.model.named_parameters())
-        # sglang name -> the HF names that fill it (from the checkpoint layout).
-        self.parts: Dict[str, List[str]] = {}
+        self.parts: Dict[str, List[str]] = {}  # sglang name -> the HF names that fill it (from the checkpoint layout)
 
     def load(self, items: List[Tuple[str, torch.Tensor]]) -> None:
         with _published(self.server_args), torch.no_grad():
@@ -209,8 +204,7 @@ class HFResharder:
             spec = expected.get(name)
             if spec is None:
                 raise WeightSyncError(f"{name!r} is not a tensor of the checkpoint at {self.model_path!r} "
-                                      f"({close_names(name, expected)}); HF-format updates take the "
-                                      "checkpoint's names")
+                                      f"({close_names(name, expected)}); HF-format updates take the checkpoint's names")
             if tuple(t.shape) != spec.shape:
                 raise WeightSyncError(f"{name!r}: shape {tuple(t.shape)} does not match the checkpoint's "
                                       f"{spec.shape} (HF-format updates take full, unsharded tensors)")
@@ -230,10 +224,9 @@ class HFResharder:
                 given = [p for p in parts if p in hf_state_dict]
                 if given and len(given) != len(parts) or strict and not given:
                     missing = [p for p in parts if p not in hf_state_dict]
-                    raise WeightSyncError(
-                        f"parameter {sglang_name!r} of {replica.config.describe()} is built "
-                        f"from {len(parts)} checkpoint tensors; missing: {missing[:8]}"
-                        + ("" if given else " (strict=True requires every parameter)"))
+                    raise WeightSyncError(f"parameter {sglang_name!r} of {replica.config.describe()} is built from "
+                                          f"{len(parts)} checkpoint tensors; missing: {missing[:8]}"
+                                          + ("" if given else " (strict=True requires every parameter)"))
 
     def reshard(self, hf_state_dict: Mapping[str, torch.Tensor], *,
                 strict: bool = False) -> Dict[int, Dict[str, torch.Tensor]]:

@@ -74,10 +74,8 @@ def _why_not_direct(ranks, statuses, lanes: Set[int], export: str, device) -> Op
 def _refuse_nixl_on_trainer_gpu(device, statuses, labels) -> None:
     gpu = _trainer_gpu(device)
     shared = [label for st, label in zip(statuses, labels) if gpu is not None
-              and (st.get("ipc_reach") or {}).get("node_id") == gpu[0]
-              and st.get("device_uuid") == gpu[1]]
+              and (st.get("ipc_reach") or {}).get("node_id") == gpu[0] and st.get("device_uuid") == gpu[1]]
     if shared:
-        raise WeightSyncError(
-            f"{', '.join(shared)} run(s) on this trainer's GPU, and NIXL cannot move bytes "
-            "between two processes of one GPU (UCX falls back to TCP over loopback: ~0.5 GB/s "
-            "measured on an H200). Use transport='auto' or 'SGLANG_IPC' (CUDA IPC) with lane=True.")
+        raise WeightSyncError(f"{', '.join(shared)} run(s) on this trainer's GPU, and NIXL cannot move bytes between "
+                              "two processes of one GPU (UCX falls back to TCP over loopback: ~0.5 GB/s measured on "
+                              "an H200). Use transport='auto' or 'SGLANG_IPC' (CUDA IPC) with lane=True.")

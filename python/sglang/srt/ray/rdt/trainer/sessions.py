@@ -1,6 +1,5 @@
 """The engine's update session as the trainer drives it: over HTTP, through an in-process ``RayEngine``, or
-(:class:`CallerPausedSession`, the caller paused generation) by finalizing or aborting each TP/PP group.
-"""
+(:class:`CallerPausedSession`, the caller paused generation) by finalizing or aborting each TP/PP group."""
 
 from __future__ import annotations
 

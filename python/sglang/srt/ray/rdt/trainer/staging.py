@@ -1,6 +1,5 @@
 """The trainer's staging pool: a ``torch.cuda.MemPool`` whose segments live as long as it does, so ranks map
-them once, and tensors made anew each step in ``client.staging()`` land in the same segments again.
-"""
+them once, and tensors made anew each step in ``client.staging()`` land in the same segments again."""
 
 from __future__ import annotations
 

@@ -39,8 +39,7 @@ def start_nixl_agent() -> int:
         before = _threads()
         compat.transport_manager("NIXL").get_nixl_agent()
         new = _threads() - before
-        spinning = _spinning(new) if new else set()
-        for tid in spinning:
+        for tid in _spinning(new) if new else ():
             try:
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 _idled += 1

@@ -1,8 +1,7 @@
 """``SGLANG_IPC``: a Ray tensor transport that reads on the sender's node without NIXL.
 
 A ref carries a same-node part and Ray's NIXL metadata of the same tensors; a reader that cannot use the same-node
-part reads through NIXL. Ray pushes a custom transport to new actors asynchronously: see :func:`register`.
-"""
+part reads through NIXL. Ray pushes a custom transport to new actors asynchronously: see :func:`register`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """What a sender needs of each tensor (address, size, device, dtype, shape, contiguity), read in one call.
 
 The call is ``csrc/tensor_scan.cpp``, compiled on first use into sglang's JIT cache; without a C++ compiler, with
-``SGLANG_RDT_NATIVE_SCAN=0``, or for tensor subclasses, the same arrays are read through Python.
-"""
+``SGLANG_RDT_NATIVE_SCAN=0``, or for tensor subclasses, the same arrays are read through Python."""
 
 from __future__ import annotations
 
@@ -76,9 +75,8 @@ class Scan:
     def part(self, start: int, stop: int) -> "Scan":
         at = int(self.ndim[:start].sum())
         end = at + int(self.ndim[start:stop].sum())
-        return Scan(self.ptrs[start:stop], self.nbytes[start:stop], self.device[start:stop],
-                    self.dtype[start:stop], self.ndim[start:stop], self.dims[at:end],
-                    self.contiguous[start:stop])
+        return Scan(self.ptrs[start:stop], self.nbytes[start:stop], self.device[start:stop], self.dtype[start:stop],
+                    self.ndim[start:stop], self.dims[at:end], self.contiguous[start:stop])
 
 
 def scan(tensors: List[Any]) -> Scan:

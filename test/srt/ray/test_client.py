@@ -24,6 +24,7 @@ import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import psutil
 import pytest
 import requests
@@ -78,6 +79,23 @@ def test_cut_keeps_order_fits_the_size_and_gives_a_large_tensor_its_own_group():
         list(cut(iter([]), 100))
     with pytest.raises(WeightSyncError, match=r"'x' is a list, not a torch.Tensor"):
         list(cut(iter([("x", [1.0, 2.0])]), 100))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_mapping_is_cut_into_the_same_groups_as_the_same_pairs_one_by_one(seed):
+    """A mapping (cut at once from its sizes) and its pairs (cut as they
+    come) give the same groups: empty tensors, exact fits and tensors larger
+    than a group included."""
+    rng = np.random.default_rng(seed)
+    numels = rng.choice([0, 1, 25, 50, 200, 260], size=300)
+    items = [(f"w{i}", torch.zeros(int(n))) for i, n in enumerate(numels)]
+    for group_bytes in (100, 200, 850, 1 << 20):
+        by_pairs = list(cut(iter(items), group_bytes))
+        at_once = list(cut(dict(items), group_bytes))
+        assert [g.names for g in at_once] == [g.names for g in by_pairs]
+        assert [(g.index, g.nbytes) for g in at_once] == [(g.index, g.nbytes) for g in by_pairs]
+        assert [g.scan.nbytes.tolist() for g in at_once] == [g.scan.nbytes.tolist() for g in by_pairs]
+    assert len(by_pairs) == 1 and len(list(cut(dict(items), 100))) > 150
 
 
 def test_cut_hands_out_a_group_as_soon_as_it_is_complete():

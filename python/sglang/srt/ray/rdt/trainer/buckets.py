@@ -159,13 +159,13 @@ def _cut_whole(g: Group, group_bytes: int) -> Iterator[Group]:
     if group_bytes == WHOLE:
         yield Group(0, names, tensors, s, g.nbytes)
         return
-    sizes = s.nbytes.tolist()
-    start, total, index = 0, 0, 0
-    for i, n in enumerate(sizes + [group_bytes + 1]):  # (the sentinel ends the last group)
-        if i > start and total + n > group_bytes:
-            yield Group(index, names[start:i], tensors[start:i], s.part(start, i), total)
-            start, total, index = i, 0, index + 1
-        total += n
+    ends = np.cumsum(s.nbytes)  # a group ends before the tensor that would take it past group_bytes
+    start, index = 0, 0
+    while start < len(names):
+        base = int(ends[start - 1]) if start else 0
+        stop = max(start + 1, int(np.searchsorted(ends, base + group_bytes, side="right")))
+        yield Group(index, names[start:stop], tensors[start:stop], s.part(start, stop), int(ends[stop - 1]) - base)
+        start, index = stop, index + 1
 
 
 def steps(payloads, rank_groups, group_bytes: int) -> Iterator[List[Tuple[int, Group]]]:

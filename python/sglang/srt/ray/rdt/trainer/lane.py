@@ -15,16 +15,11 @@ from typing import Any, Dict, Optional, Sequence
 
 from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.lane_wire import FRAME_TIMEOUT_S, ID_BYTES, recv_frame, send_frame
-from sglang.srt.ray.rdt.transport import same_node
-from sglang.srt.ray.rdt.transport.cma import pid_alive
+from sglang.srt.ray.rdt.transport import cma, same_node
+from sglang.srt.ray.rdt.transport.cma import LIVENESS_CHECK_S, pid_alive
 
 logger = logging.getLogger(__name__)
 
-# How often a waiting call looks whether the rank's process still exists.
-LIVENESS_CHECK_S = 0.25
-# A fence is polled without a pause this long (a copy takes milliseconds), then every FENCE_NAP_S.
-FENCE_SPIN_S = 0.05
-FENCE_NAP_S = 0.0005
 
 
 class RankGone(RuntimeError):
@@ -150,24 +145,8 @@ class RankLink:
 
 
 def wait_for_event(event, pid: int, deadline: float) -> float:
-    """Wait until ``event`` completed; returns the seconds waited. :class:`RankGone` when process ``pid`` exits
-    first, ``TimeoutError`` past ``deadline`` (monotonic)."""
-    t0 = time.monotonic()
-    look = t0 + LIVENESS_CHECK_S
-    while not event.query():
-        now = time.monotonic()
-        if now > deadline:
-            raise TimeoutError(f"the rank's copy (pid {pid}) did not finish within the timeout "
-                               "after its pull returned")
-        if now > look:
-            if not pid_alive(pid):
-                raise RankGone(f"the rank's process (pid {pid}) exited while it copied the trainer's tensors")
-            look = now + LIVENESS_CHECK_S
-        if now - t0 < FENCE_SPIN_S:
-            os.sched_yield()
-        else:
-            time.sleep(FENCE_NAP_S)
-    return time.monotonic() - t0
+    """Wait until the rank's copy recorded ``event``: :class:`RankGone` when its process exits first."""
+    return cma.wait_for_event(event, pid, deadline, "the rank", "copy", RankGone)
 
 
 class Lanes:
@@ -217,10 +196,11 @@ class Lanes:
         return None if link is None or link.broken else link
 
     def pull(self, rank: int, group, meta, timeout: Optional[float], prepare: bool = False,
-             fence: bool = False) -> LaneCall:
+             fence: bool = False, ready: Optional[bytes] = None) -> LaneCall:
         """Send ``rank`` a pull of ``meta`` (``group``'s same-node description). The layout and a kept description
         go along only the first time this lane sees them; later pulls name their ids. ``fence``: the rank may
-        answer once its copy is queued; the caller must :meth:`RankLink.wait_fence` before it lets go of the tensors."""
+        answer once its copy is queued; the caller must :meth:`RankLink.wait_fence` before it lets go of the tensors.
+        ``ready``: the IPC handle of an event of this process the rank waits for before it copies."""
         link = self.links[rank]
         first = group.layout not in link.defined
         kept = meta.ipc.kept_id if meta.ipc is not None else 0
@@ -229,7 +209,7 @@ class Lanes:
             "layout": group.layout, "names": list(group.names) if first else None,
             "specs": group.specs() if first else None, "timeout": timeout,
             "source": None if known else meta, "source_id": kept,
-            "fence": fence and link.fence is not None})
+            "fence": fence and link.fence is not None, "ready": ready})
         call.defines = group.layout if first else None
         call.defines_source = 0 if known else kept
         return call

@@ -382,6 +382,7 @@ def test_buckets_never_change_a_slot_while_a_slow_rank_reads_it(calm):
                               progress=lambda b, done, total: seen.append((done, total)))
         assert client.sender.sender.in_flight() == [None, None]
         assert client.sender.sender.stats["fills"] == len(stats.buckets)
+        assert client.sender.sender.stats["registrations"] == 0  # read over lanes: never registered with NIXL
     assert_ranks_hold(toy, weights)
     n = len(stats.buckets)
     assert n == 6 and seen == [(i + 1, n) for i in range(n)]
@@ -407,6 +408,7 @@ def test_without_lanes_ranks_pull_refs_of_the_slots_through_ray(calm, transport,
         assert (route.direct, route.lanes, route.ref_transport) == (False, set(), transport)
         stats = client.update(weights, version=f"ray-{transport}")
         assert client.sender.sender.stats["puts"] == len(stats.buckets)
+        assert client.sender.sender.stats["registrations"] == 2 < len(stats.buckets)  # each slot, once
     assert_ranks_hold(toy, weights)
     assert (stats.transport, stats.lane_calls) == (path, 0)
     assert [log["version"] for log in logs(toy)] == [f"ray-{transport}"] * 2

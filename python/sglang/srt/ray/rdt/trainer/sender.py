@@ -1,4 +1,4 @@
-"""The trainer's two bucket slots: allocated (in the staging pool on a GPU) and NIXL-registered once.
+"""The trainer's two bucket slots: allocated (in the staging pool on a GPU), NIXL-registered once a ref needs it.
 
 No ``ray.put`` snapshots a slot: ranks read its bytes when they pull. So ``fill`` refuses a slot in flight
 (:class:`BucketInFlightError`) until ``release``, once every rank's pull of it returned. Slots are freed only
@@ -35,7 +35,8 @@ class BucketInFlightError(BucketSenderError):
 
 
 class BucketSender:
-    """Double-buffered, NIXL-registered bucket slots on ``device`` (``register=False``: without NIXL)."""
+    """Double-buffered bucket slots on ``device``, each registered with NIXL before its first ref is put
+    (``register=False``: never)."""
 
     def __init__(self, device: str = "cpu", *, register: bool = True):
         self._device = torch.device(device)
@@ -45,7 +46,8 @@ class BucketSender:
         self._pool = None  # the staging pool the slots live in (CUDA)
         self._closed = False
         self._ready: Optional[torch.cuda.Event] = None
-        self.stats: Dict[str, int] = {"fills": 0, "allocations": 0, "puts": 0}
+        self._registered: set = set()  # slots registered with NIXL (the first ref put of each)
+        self.stats: Dict[str, int] = {"fills": 0, "allocations": 0, "puts": 0, "registrations": 0}
 
     @property
     def slot_bytes(self) -> int:
@@ -81,24 +83,29 @@ class BucketSender:
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         with self._pool.allocating() if self._pool is not None else contextlib.nullcontext():
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-        if self._register:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+
+    def _register_slot(self, slot: int) -> None:
+        """Register ``slot`` with NIXL before its first ref is put (ranks reached by a lane never need it)."""
+        if self._register and slot not in self._registered:
             from ray.experimental import register_nixl_memory
 
             from sglang.srt.ray.rdt.transport.nixl_threads import start_nixl_agent
 
             start_nixl_agent()  # its progress thread at idle priority
-            register_nixl_memory(buf)
-        return buf
+            register_nixl_memory(self._slots[slot])
+            self._registered.add(slot)
+            self.stats["registrations"] += 1
 
     def _free_slots(self) -> int:
         n = 0
         for i, buf in enumerate(self._slots):
             if buf is not None:
-                if self._register:
+                if i in self._registered:
                     from ray.experimental import deregister_nixl_memory
 
                     deregister_nixl_memory(buf)
+                    self._registered.discard(i)
                 self._slots[i] = None
                 n += 1
         return n
@@ -136,6 +143,7 @@ class BucketSender:
             for offs, d, g in zip(offsets, dst, groups):
                 ref = None
                 if ref_transport:
+                    self._register_slot(slot)
                     ref = self._put([self._view(buf, int(o), t) for o, t in zip(offs, g.tensors)], ref_transport)
                 out.append((ref, same_node.describe(d, g.scan.nbytes, buf.device) if local else None))
         except BaseException:

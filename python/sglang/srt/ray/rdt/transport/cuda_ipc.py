@@ -22,8 +22,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from sglang.srt.ray.rdt.transport import cuda_driver
 from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S
+from sglang.srt.ray.rdt.transport import cuda_driver
 from sglang.srt.ray.rdt.transport.cma import pid_alive, wait_for_event
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, device_uuid, local_ordinal_of
 from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, Targets

@@ -21,7 +21,6 @@ from sglang.srt.ray.rdt.transport.cma import LIVENESS_CHECK_S, pid_alive
 logger = logging.getLogger(__name__)
 
 
-
 class RankGone(RuntimeError):
     """The rank's process exited, or its lane broke, while a call waited for it."""
 

@@ -46,6 +46,7 @@ class BucketSender:
         self._pool = None  # the staging pool the slots live in (CUDA)
         self._closed = False
         self._ready: Optional[torch.cuda.Event] = None
+        self.ready_handle: Optional[bytes] = None  # its IPC handle, once made
         self._registered: set = set()  # slots registered with NIXL (the first ref put of each)
         self.stats: Dict[str, int] = {"fills": 0, "allocations": 0, "puts": 0, "registrations": 0}
 
@@ -61,6 +62,7 @@ class BucketSender:
             with torch.cuda.device(self._device):
                 self._ready = torch.cuda.Event(interprocess=True)
                 self._ready.record()  # (made on this device now)
+            self.ready_handle = self._ready.ipc_handle()
         return self._ready
 
     def _check_open(self) -> None:
@@ -139,11 +141,12 @@ class BucketSender:
                 self.ready.record(torch.cuda.current_stream(buf.device))
             elif buf.is_cuda:
                 torch.cuda.synchronize(buf.device)
+            if ref_transport:
+                self._register_slot(slot)
             out = []
             for offs, d, g in zip(offsets, dst, groups):
                 ref = None
                 if ref_transport:
-                    self._register_slot(slot)
                     ref = self._put([self._view(buf, int(o), t) for o, t in zip(offs, g.tensors)], ref_transport)
                 out.append((ref, same_node.describe(d, g.scan.nbytes, buf.device) if local else None))
         except BaseException:

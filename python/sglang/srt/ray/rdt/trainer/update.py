@@ -217,7 +217,7 @@ class Update:
                                        for rg, _ in step for r in self.rank_groups[rg])
         flight.sources = c.sender.call("fill", slot, token, offsets, [g for _, g in step],
                                        self.route.ref_transport if ray_ranks else None, local, queued)
-        flight.ready = c.sender.sender.ready.ipc_handle() if queued else None
+        flight.ready = c.sender.sender.ready_handle if queued else None
         self.gathered += need
         for _, group in step:
             group.tensors = []  # copied: the trainer's tensors are not read again

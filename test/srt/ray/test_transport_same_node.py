@@ -432,6 +432,27 @@ def test_a_buffer_registered_with_nixl_is_kept_memory(fake_cuda, monkeypatch):
     assert part.offset.tolist() == [1024, 1152] and drv.calls["address_range"] == 1
 
 
+def test_a_storage_deregistered_from_nixl_is_kept_no_more(fake_cuda, monkeypatch):
+    """A storage registered only for a put's life (NIXL's put registers what it sends) is not looked at once
+    deregistered: never asked for its range again, its tensors refused (read through NIXL)."""
+    drv = fake_cuda
+    Frees(monkeypatch)
+    bucket, loose, other = drv.alloc(4096), drv.alloc(4096), drv.alloc(4096)
+    registered = {bucket.data_ptr(), loose.data_ptr()}
+    exporter = CudaIpcExporter("sender", still_registered=registered.__contains__)
+    exporter.keep_registered(1, bucket.data_ptr())
+    exporter.keep_registered(1, loose.data_ptr())
+    assert len(_export(exporter, [_view(loose, 0, 64), _view(bucket, 0, 64)], 1, "node-a").segments) == 2
+    registered.discard(loose.data_ptr())  # its ref died: NIXL deregistered it
+    exporter.keep_registered(1, other.data_ptr())  # a new registration: the table is built again
+    registered.add(other.data_ptr())
+    drv.calls.clear()
+    assert len(_export(exporter, [_view(other, 0, 64), _view(bucket, 64, 64)], 1, "node-a").segments) == 2
+    assert drv.calls["address_range"] == 2  # the bucket's and the new one's, not the deregistered one's
+    with pytest.raises(cuda_ipc.NotKept, match="tensor 0 does not lie"):
+        _export(exporter, [_view(loose, 128, 64)], 1, "node-a")
+
+
 # -- reader ------------------------------------------------------------------ #
 def _part(drv, storages, tensors, sender="sender", pid=None, gpu=SENDER_GPU):
     """An IpcPart of ``tensors`` (views of ``storages``, kept memory) as a sender describes them."""

@@ -175,6 +175,26 @@ class GpuTrainer:
         torch.cuda.synchronize(self.device)
         return {"steps": [dict(b.rank_timing) for b in stats.buckets], "transport": stats.transport}
 
+    def put(self, n: int, numel: int, seed: int, registered: bool) -> List[Any]:
+        """Update ``seed``'s tensors put with ``SGLANG_IPC`` as a trainer of its own puts them: views of one
+        buffer registered with NIXL (``registered``, miles' bucket) or tensors made anywhere. Returns
+        ``[ref]`` (the ref stays alive here until the next put)."""
+        from ray.experimental import register_nixl_memory
+
+        from sglang.srt.ray.rdt.transport import sglang_ipc
+
+        sglang_ipc.register()
+        tensors = [pattern(numel, seed, i, self.device) for i in range(n)]
+        if registered:
+            if getattr(self, "_bucket", None) is None:
+                self._bucket = torch.empty(n, numel, device=self.device)
+                register_nixl_memory(self._bucket)
+            for view, t in zip(self._bucket.unbind(0), tensors):
+                view.copy_(t)
+            tensors = list(self._bucket.unbind(0))
+        self._refs = [ray.put(tensors, _tensor_transport=sglang_ipc.TRANSPORT_NAME)]
+        return self._refs
+
     def release(self) -> int:
         """``client.release()``; returns what the staging pool held before."""
         held = self.client.pool_bytes()

@@ -121,6 +121,27 @@ def test_tensors_made_outside_the_staging_pool_are_gathered_into_the_slots(gpu_r
         ray.kill(rank)
 
 
+def test_a_put_of_a_registered_bucket_is_read_in_place_and_other_tensors_through_nixl(gpu_ray):
+    """``ray.put(..., _tensor_transport="SGLANG_IPC")`` + ``pull_weights``: views of a buffer registered with NIXL
+    (miles' bucket) are kept memory, read over CUDA IPC and mapped once; tensors made anywhere are not (NIXL's
+    put registers them for the ref's life only), read through NIXL, and the rank keeps no mapping of them."""
+    rank = GpuRank.options(**actor_options()).remote(N, NUMEL)
+    trainer = GpuTrainer.options(**actor_options()).remote()
+    try:
+        for seed, registered, transport, kept in ((21, False, "nixl", 0), (22, True, "cuda_ipc", 1),
+                                                  (23, True, "cuda_ipc", 1), (24, False, "nixl", 1)):
+            refs = ray.get(trainer.put.remote(N, NUMEL, seed, registered), timeout=300)
+            out = ray.get(rank.pull_weights.remote(refs, NAMES), timeout=300)
+            assert (out["transport"].split(" (")[0], out["tensors"]) == (transport, N), (seed, out)
+            assert ("register_nixl_memory" in out["transport"]) is not registered, out["transport"]
+            ray.get(rank.finalize_weight_update.remote(f"v{seed}"), timeout=120)
+            assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(seed)
+            assert status(rank)["kept_mappings"]["kept_mappings"] == kept, seed
+    finally:
+        ray.kill(trainer)
+        ray.kill(rank)
+
+
 def test_a_failed_update_returns_once_the_rank_copied_and_the_trainer_may_reuse_its_memory(gpu_ray):
     """A stream whose fourth tensor is refused (a name the rank lacks) after
     three groups went out: update() raises only once the rank's copies of

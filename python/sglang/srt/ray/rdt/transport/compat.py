@@ -88,11 +88,11 @@ def nixl_communicator_metadata():
     return NixlCommunicatorMetadata()
 
 
-def nixl_registered(tensor) -> bool:
-    """Whether ``tensor``'s storage is registered with NIXL in this process (``register_nixl_memory``): its owner
-    keeps it, so the same-node path may map it once. Reads Ray's NIXL transport's registration table (Ray 2.60)."""
-    manager = transport_manager("NIXL")
-    return bool(getattr(manager, "_tensor_memory_registered", lambda t: False)(tensor))
+def nixl_registered_addresses():
+    """The storage addresses registered with NIXL in this process (``register_nixl_memory``, or a put whose ref
+    lives), as a container: their owner keeps them, so the same-node path may map them once. Ray's NIXL
+    transport's registration table, keyed by storage address (Ray 2.60)."""
+    return getattr(transport_manager("NIXL"), "_tensor_desc_cache", None) or {}
 
 
 def rdt_manager():

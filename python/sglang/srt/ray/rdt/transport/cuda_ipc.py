@@ -68,10 +68,11 @@ class CudaIpcExporter:
 
     max_parts = 1024  # descriptions remembered (a model's groups, each update the same)
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, still_registered: Callable[[int], bool] = lambda ptr: True):
         self.token = token
         self._sources: Dict[int, List[KeptSource]] = {}
         self._registered: Dict[int, set] = {}  # ordinal -> storage addresses registered as kept
+        self._still_registered = still_registered  # (a storage deregistered since is looked at no more)
         self._tables: Dict[int, _KeptTable] = {}
         self._frees: Dict[int, int] = {}  # ordinal -> device frees when its table was checked
         # (ordinal, node, addresses, sizes) -> IpcPart: tensors made anew at the same places skip the lookup.
@@ -153,7 +154,8 @@ class CudaIpcExporter:
         for source in self._sources.get(ordinal, []):
             segments.update(dict(source()))
         with cuda_driver.pushed(cuda_driver.driver(), ordinal) as drv:
-            for ptr in self._registered.get(ordinal, ()):
+            self._registered[ordinal] = {p for p in self._registered.get(ordinal, ()) if self._still_registered(p)}
+            for ptr in self._registered[ordinal]:
                 base, size = drv.address_range(ptr)
                 segments[base] = size
             entries = []

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from sglang.srt.ray.rdt.transport import cuda_driver, tensor_scan
+from sglang.srt.ray.rdt.transport import compat, cuda_driver, tensor_scan
 from sglang.srt.ray.rdt.transport.cma import CmaPath, export_cma
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader, KeptSource, NotKept
 from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransportMetadata, Targets
@@ -56,7 +56,7 @@ def _parts():
     global _exporter, _ipc_reader, _cma
     with _lock:
         if _exporter is None:
-            _exporter = CudaIpcExporter(_TOKEN)
+            _exporter = CudaIpcExporter(_TOKEN, lambda ptr: ptr in compat.nixl_registered_addresses())
             _ipc_reader, _cma = CudaIpcReader(), CmaPath()
         return _exporter, _ipc_reader, _cma
 
@@ -67,9 +67,9 @@ def keep(ordinal: int, source: KeptSource, add: bool = True) -> None:
     (exporter.add_source if add else exporter.remove_source)(ordinal, source)
 
 
-def keep_registered(tensor) -> None:
-    """``tensor``'s storage is kept by its owner (it registered it with NIXL)."""
-    _parts()[0].keep_registered(tensor.device.index, tensor.untyped_storage().data_ptr())
+def keep_registered(ordinal: int, storage_ptr: int) -> None:
+    """The storage at ``storage_ptr`` on GPU ``ordinal`` is kept by its owner (it registered it with NIXL)."""
+    _parts()[0].keep_registered(ordinal, storage_ptr)
 
 
 def kept_mask(scan) -> np.ndarray:

@@ -56,6 +56,9 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
             raise ValueError("All tensors in an RDT object must be on one device type.")
         if any(not t.is_contiguous() for t in rdt_object):
             raise ValueError("All tensors in an RDT object must be contiguous.")
+        # Kept GPU memory is what was registered before this put: NIXL's put registers every tensor it sends.
+        table = compat.nixl_registered_addresses() if device.type == "cuda" else {}
+        kept = {p for p in {t.untyped_storage().data_ptr() for t in rdt_object} if p in table} if table else ()
         # NIXL's put synchronises the tensors' devices first: the same-node part describes final bytes.
         nixl_threads.start_nixl_agent()
         nixl = self._nixl().extract_tensor_transport_metadata(obj_id, rdt_object)
@@ -63,17 +66,16 @@ class SglangIpcTransport(_TransportManager):  # type: ignore[misc,valid-type]
             meta = SglangIpcTransportMetadata(tensor_meta=[(tuple(t.shape), t.dtype) for t in rdt_object],
                                               tensor_device="cuda", ipc_unavailable="tensors on several devices")
         else:
-            meta = self._same_node_part(rdt_object)
+            meta = self._same_node_part(rdt_object, kept)
         meta.nixl = nixl
         return meta
 
     @staticmethod
-    def _same_node_part(tensors) -> SglangIpcTransportMetadata:
-        """The same-node part of host memory or kept GPU memory; other GPU memory gets none (read through NIXL)."""
-        if tensors[0].is_cuda:
-            for t in tensors:
-                if compat.nixl_registered(t):
-                    same_node.keep_registered(t)
+    def _same_node_part(tensors, kept) -> SglangIpcTransportMetadata:
+        """The same-node part of host memory or kept GPU memory (``kept``: registered storages); other GPU memory
+        gets none (read through NIXL)."""
+        for ptr in kept:
+            same_node.keep_registered(tensors[0].device.index, ptr)
         try:
             return same_node.export(tensors)
         except same_node.NotKept as e:

@@ -287,8 +287,10 @@ class BenchTrainer:
             ray.get(rank.poison.remote(seed))
             fresh = dict(zip(self.names, [t.clone() for t in self.base]))
             self._sync()
+            parts = dict.fromkeys(("stage", "put", "call", "rank_pull", "rank_plan", "finalize"), 0.0)
             t0 = time.perf_counter()
             for names, _ in groups:
+                t1 = time.perf_counter()
                 views, at = [], 0
                 for n in names:
                     t = fresh[n]
@@ -297,13 +299,23 @@ class BenchTrainer:
                     views.append(v)
                     at += t.nbytes
                 self._sync()
+                t2 = time.perf_counter()
                 ref = ray.put(views, _tensor_transport=transport)
-                ray.get(rank.pull_weights.remote([ref], names))
+                t3 = time.perf_counter()
+                got = ray.get(rank.pull_weights.remote([ref], names))
+                t4 = time.perf_counter()
                 del ref
+                parts["stage"] += t2 - t1
+                parts["put"] += t3 - t2
+                parts["call"] += t4 - t3
+                parts["rank_pull"] += got.get("seconds", 0.0)
+                parts["rank_plan"] += got.get("plan_seconds", 0.0)
+            t5 = time.perf_counter()
             ray.get(rank.finalize_weight_update.remote(f"m{seed}"))
             seconds = time.perf_counter() - t0
+            parts["finalize"] = seconds - (t5 - t0)
             del fresh
-            out.append({"seconds": seconds, "check": ray.get(rank.verify.remote(seed))})
+            out.append({"seconds": seconds, "parts": parts, "check": ray.get(rank.verify.remote(seed))})
         return {"updates": out}
 
 

@@ -430,8 +430,7 @@ class CudaIpcReader:
 
     def stats(self) -> Dict[str, int]:
         with self.lock:
-            return {"kept_mappings": len(self.kept),
-                    "kept_bytes": sum(m.size for m in self.kept.values()),
+            return {"kept_mappings": len(self.kept), "kept_bytes": sum(m.size for m in self.kept.values()),
                     "kept_senders": len({s for s, _ in self.kept})}
 
 

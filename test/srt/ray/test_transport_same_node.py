@@ -453,6 +453,22 @@ def test_a_storage_deregistered_from_nixl_is_kept_no_more(fake_cuda, monkeypatch
         _export(exporter, [_view(loose, 128, 64)], 1, "node-a")
 
 
+def test_a_description_remembered_is_dropped_once_its_storage_is_deregistered(fake_cuda, monkeypatch):
+    """The same tensors put again after their storage's registration ended (no device frees in between) are
+    described anew, not from the remembered description: they are refused, not read in place."""
+    drv = fake_cuda
+    Frees(monkeypatch)
+    loose = drv.alloc(4096)
+    registered = {loose.data_ptr()}
+    exporter = CudaIpcExporter("sender", still_registered=registered.__contains__)
+    exporter.keep_registered(1, loose.data_ptr())
+    tensors = [_view(loose, 0, 64), _view(loose, 64, 64)]
+    assert _export(exporter, tensors, 1, "node-a") is _export(exporter, tensors, 1, "node-a")  # remembered
+    registered.discard(loose.data_ptr())  # the ref that registered it died: NIXL deregistered it
+    with pytest.raises(cuda_ipc.NotKept, match="tensor 0 does not lie"):
+        _export(exporter, tensors, 1, "node-a")
+
+
 # -- reader ------------------------------------------------------------------ #
 def _part(drv, storages, tensors, sender="sender", pid=None, gpu=SENDER_GPU):
     """An IpcPart of ``tensors`` (views of ``storages``, kept memory) as a sender describes them."""

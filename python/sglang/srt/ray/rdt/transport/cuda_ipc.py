@@ -136,7 +136,10 @@ class CudaIpcExporter:
         return table, idx, ok
 
     def _check_frees(self, ordinal: int) -> None:
-        """Rebuild the table if the device freed memory and a kept segment's allocation id changed."""
+        """Look the table up anew if a registered storage was deregistered or a kept segment was allocated anew."""
+        if not all(map(self._still_registered, self._registered.get(ordinal, ()))):
+            self._tables.pop(ordinal, None)
+            self._parts.clear()
         frees = device_frees(ordinal)
         if self._frees.get(ordinal) != frees:
             self._frees[ordinal] = frees
@@ -401,11 +404,9 @@ class CudaIpcReader:
         def match(key, m) -> bool:
             if sender is not None and key[0] != sender:
                 return False
-            if not gone_only:
-                return True
-            if m.pid not in alive:
+            if gone_only and m.pid not in alive:
                 alive[m.pid] = pid_alive(m.pid)
-            return not alive[m.pid]
+            return not gone_only or not alive[m.pid]
 
         with self.lock:
             return self._release_locked(match)
@@ -416,8 +417,7 @@ class CudaIpcReader:
             return 0
         drv = cuda_driver.driver()
         by_ordinal: Dict[int, List[int]] = {}
-        for k in keys:
-            m = self.kept.pop(k)
+        for m in map(self.kept.pop, keys):
             by_ordinal.setdefault(m.ordinal, []).append(m.ptr)
         for ordinal, ptrs in by_ordinal.items():
             with cuda_driver.pushed(drv, ordinal):

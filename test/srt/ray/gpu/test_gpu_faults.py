@@ -93,29 +93,35 @@ def test_fresh_tensors_every_update_land_byte_for_byte_over_cuda_ipc(gpu_ray):
 
 
 @pytest.mark.parametrize("made", ["outside", "cat", "strided"])
-def test_tensors_made_outside_the_staging_pool_are_gathered_into_the_slots(gpu_ray, made):
+def test_tensors_made_outside_the_staging_pool_are_written_into_the_ranks_parameters(gpu_ray, made):
     """Fresh tensors a trainer makes with plain PyTorch (a clone, a fusing
-    torch.cat, a non-contiguous view): one rule, the rank never maps them,
-    they are gathered into the client's slots (mapped once) and land byte for
-    byte; client.release() gives the trainer's GPU memory back."""
+    torch.cat, a non-contiguous view): one rule, the rank never maps them.
+    The rank grants its parameters (mapped here once, they stay where they
+    are) and this process writes them, one copy: no slot is made, every byte
+    lands. With export="buckets" they are gathered into the slots instead."""
     rank = GpuRank.options(**actor_options()).remote(N, NUMEL)
     trainer = GpuTrainer.options(**actor_options()).remote()
     try:
+        ptrs = ray.get(rank.pointers.remote(), timeout=300)
         route = ray.get(trainer.connect.remote(rank), timeout=300)
-        assert route["direct"] is True and route["pool_bytes"] < N * NUMEL * 4  # no slots until the first gather
+        assert route["direct"] is True and route["pool_bytes"] < N * NUMEL * 4  # no slots
         mapped = []
         for seed in (21, 22, 23):
             out = ray.get(trainer.update.remote(N, NUMEL, seed, f"v{seed}", made=made), timeout=300)
             assert "error" not in out, out
-            assert (out["path"], out["transport"]) == ("buckets", "cuda_ipc"), out
-            assert out["gathered_bytes"] >= out["bytes"] == N * NUMEL * 4, out
+            assert (out["path"], out["transport"], out["lane_calls"]) == ("write", "cuda_ipc write", 2), out
+            assert out["gathered_bytes"] == 0 and out["pool_bytes"] < N * NUMEL * 4, out
             assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(seed)
             mapped.append(status(rank)["kept_mappings"]["kept_mappings"])
-        assert mapped[0] >= 1 and mapped == [mapped[0]] * 3  # the slots, mapped once
-        assert ray.get(trainer.release.remote(), timeout=120) > 0
-        assert status(rank)["kept_mappings"]["kept_mappings"] == 0
-        out = ray.get(trainer.update.remote(N, NUMEL, 24, "v24", made=made), timeout=300)  # made again
-        assert "error" not in out and ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(24)
+        assert mapped == [mapped[0]] * 3  # the rank mapped none of these tensors
+        assert ray.get(rank.pointers.remote(), timeout=60) == ptrs
+        st = status(rank)
+        assert (st["weights_consistent"], st["weight_version"], st["failures"]) == (True, "v23", {})
+        ray.get(trainer.close.remote(), timeout=120)
+        ray.get(trainer.connect.remote(rank, export="buckets"), timeout=300)
+        out = ray.get(trainer.update.remote(N, NUMEL, 24, "v24", made=made), timeout=300)
+        assert (out["path"], out["transport"]) == ("buckets", "cuda_ipc"), out
+        assert ray.get(rank.get_parameter_checksums.remote(), timeout=120) == expected(24)
     finally:
         ray.kill(trainer)
         ray.kill(rank)

@@ -229,7 +229,7 @@ class RankLane:
         try:
             op, kw = pickle.loads(payload)
             self.calls += 1
-            if op != "pull":
+            if op not in ("pull", "grant"):
                 conn.settle()  # ordered after the pulls sent before it
             if op == "hello":
                 sender = str(kw["sender"])
@@ -241,8 +241,12 @@ class RankLane:
                 return ("ok", {"pid": os.getpid()})
             if conn.writer is None:
                 return ("error", "say hello first")
-            if op == "pull":
+            if op in ("pull", "grant"):
                 return self._pull(conn, op, kw)
+            if op == "pushed":  # (ordered after the grant: settled above)
+                stats = {k: kw.get(k, 0) for k in ("tensors", "bytes", "seconds")}
+                return ("ok", self._rank.confirm(int(kw["grant"]), conn.writer, str(kw["outcome"]),
+                                                 {**stats, "transports": [str(kw.get("transport", "write"))]}))
             if op == "prepare":
                 return ("ok", self._pull(conn, op, kw))
             if op == "finalize":
@@ -270,6 +274,9 @@ class RankLane:
             raise KeyError(f"layout {layout_id} was never defined on this connection")
         names, specs, key = conn.layouts[layout_id]
         meta, source_id = kw.get("source"), int(kw.get("source_id") or 0)
+        if op == "grant":  # the trainer writes the targets itself: nothing of it is read
+            return lambda: self._rank.pull_sources([LocalSource(None, conn.writer, specs)], [names],
+                                                   kw.get("timeout"), key, grant=True)
         if meta is None:  # a description of kept memory sent before
             if source_id not in conn.sources:
                 raise KeyError(f"source {source_id} was never sent on this connection")

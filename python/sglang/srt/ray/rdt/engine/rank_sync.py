@@ -83,7 +83,8 @@ class RankWeightSync:
                 from sglang.srt.ray.rdt.engine.local_lane import RankLane
 
                 self.lane = RankLane(self, after_reply=self.prepare_next_pull)
-        return {**self.lane.open(sender, pid), "node_id": same_node.node_id(), "fence": same_node.fence(self.device)}
+        return {**self.lane.open(sender, pid), "node_id": same_node.node_id(), "fence": same_node.fence(self.device),
+                "device": "cpu" if self.device is None else self.device.type}
 
     def _probe_read(self, probe) -> Optional[str]:
         device = self.device if self.device is not None else torch.device("cpu")
@@ -123,14 +124,20 @@ class RankWeightSync:
         """``pull_weights``: land the refs' tensors (quiesced)."""
         return self._pull(lambda: sources_of(refs), names, timeout)
 
-    def pull_sources(self, sources, names, timeout: Optional[float] = None, key: Any = None):
-        return self._pull(lambda: sources, names, timeout, key)
+    def pull_sources(self, sources, names, timeout: Optional[float] = None, key: Any = None, grant: bool = False):
+        """Pull lane ``sources``; ``grant``: let their trainer write them itself instead (``receiver.grant``)."""
+        return self._pull(lambda: sources, names, timeout, key, self.receiver.grant if grant else None)
 
-    def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None) -> Dict[str, Any]:
+    def confirm(self, grant: int, writer, outcome: str, stats: Dict[str, Any]) -> Dict[str, Any]:
+        """The trainer's word on a granted write (``state.confirmed``)."""
+        self.state.confirmed(grant, writer, outcome, stats)
+        return {"grant": grant, "outcome": outcome, "seconds": stats["seconds"], "transport": stats["transports"][0]}
+
+    def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None, op=None) -> Dict[str, Any]:
         def run():
             why = self.quiesced()
             if why is None:
-                out = self.receiver.pull(make_sources(), names, timeout, key)
+                out = (op or self.receiver.pull)(make_sources(), names, timeout, key)
                 if out.get("fenced"):
                     self._settle_next(names)
                 return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from sglang.srt.ray.rdt.engine import metrics as rdt_metrics
-from sglang.srt.ray.rdt.errors import WeightUpdateConflictError
+from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightUpdateConflictError
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,11 @@ class _Update:
     conflict: Optional[str] = None
     broken: set = field(default_factory=set)  # params of a broken pull not written again
     failed_pulls: int = 0
+    granted: Dict[int, Tuple[Sequence[str], Writer]] = field(default_factory=dict)  # writes not yet confirmed
 
     @property
     def touched(self) -> bool:
-        return bool(self.writers or self.pending or self.broken or self.failed_pulls)
+        return bool(self.writers or self.pending or self.broken or self.failed_pulls or self.granted)
 
     def written(self) -> Dict[str, Writer]:
         """Every parameter written in this update, and by whom."""
@@ -83,6 +84,7 @@ class RankUpdateState:
         self._clock = clock
         self._lock = threading.RLock()  # guards the update, consistency and counters; taken last
         self._update: Optional[_Update] = None
+        self._grants = 0
         self._consistent = True
         self._reason: Optional[str] = None
         self.updates = 0
@@ -126,7 +128,7 @@ class RankUpdateState:
             for names, writer in writes:
                 if u.writer_ids <= {writer.id}:
                     continue  # nobody else wrote in this update: no conflict possible
-                written = u.written()
+                written = {**u.written(), **{n: w for ns, w in u.granted.values() for n in ns}}
                 for name in names:
                     prev = written.get(name)
                     if prev is not None and prev.id != writer.id:
@@ -171,6 +173,36 @@ class RankUpdateState:
             t["last_pull"] = dict(stats)
         rdt_metrics.record_pull(stats)
 
+    def granted(self, names: Sequence[str], writer: Writer) -> int:
+        """After :meth:`admit`: ``writer`` may now write ``names`` itself; until :meth:`confirmed`, the update counts
+        them as possibly half-written. Returns the grant's id."""
+        with self._lock:
+            self._grants += 1
+            u = self._current()
+            u.granted[self._grants] = (list(names), writer)
+            u.writer_ids.add(writer.id)
+            return self._grants
+
+    def confirmed(self, grant: int, writer: Writer, outcome: str, stats: Dict[str, Any]) -> None:
+        """``writer`` says how its write of ``grant`` went: ``"done"``, ``"none"`` (no byte written) or
+        ``"broken"``. A grant this update does not hold (it ended) is a write nobody may trust."""
+        with self._lock:
+            u = self._update
+            names, owner = u.granted.get(grant, ((), None)) if u is not None else ((), None)
+            if owner is None or owner.id != writer.id:
+                if outcome != "none":
+                    reason = (f"{writer.label} reported a direct write {outcome} that no open update granted it "
+                              "(the update ended or was aborted meanwhile): parameters may hold bytes of it")
+                    self._mark_inconsistent(reason)
+                    self.fail("transfer")
+                    raise WeightsInconsistentError(reason)
+                return
+            del u.granted[grant]
+            if outcome == "done":
+                self.landed([(names, writer)], stats)
+            elif outcome == "broken":
+                self.transfer_failed(names, f"a direct write by {writer.label} broke mid-way")
+
     def transfer_failed(self, names: Sequence[str], reason: str) -> None:
         """A pull broke after bytes may have landed in ``names``."""
         with self._lock:
@@ -191,6 +223,9 @@ class RankUpdateState:
             self._update = None
             names = self._names()
             problem = u.conflict
+            if problem is None and u.granted:
+                problem = (f"{sum(len(ns) for ns, _ in u.granted.values())} parameters granted for a direct write "
+                           "were never confirmed written")
             if problem is None and u.broken:
                 problem = (f"{len(u.broken)} parameters of a transfer that broke in this update "
                            f"were not written again (e.g. {sorted(u.broken)[0]!r})")

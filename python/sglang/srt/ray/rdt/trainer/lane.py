@@ -65,11 +65,13 @@ class LaneCall:
 
 class RankLink:
     """The trainer's connection to one rank's lane. ``fence``: the rank's CUDA event that a fenced pull's copy
-    records (None: pulls answer once copied)."""
+    records (None: pulls answer once copied); ``writable``: the rank's parameters are on this process's GPU (or
+    both on the host), so it may grant their writes here."""
 
-    def __init__(self, address: str, secret: bytes, pid: int, sender: str, fence=None):
+    def __init__(self, address: str, secret: bytes, pid: int, sender: str, fence=None, writable: bool = False):
         self.address, self._secret, self.pid = address, secret, int(pid)
         self.fence = fence
+        self.writable = writable  # this process may write the rank's parameters itself (its device is ours)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.settimeout(FRAME_TIMEOUT_S)  # connect, and a frame once started
@@ -182,8 +184,10 @@ class Lanes:
                     logger.warning("[RDT] %s cannot read this process's memory (%s); its pulls go "
                                    "through Ray", r.label(), info["unreadable"])
                 elif info.get("node_id") == here:
-                    self.links[r.index] = RankLink(info["address"], info["secret"], info["pid"], token,
-                                                   _open_fence(info.get("fence"), probe.device))
+                    fence = _open_fence(info.get("fence"), probe.device)
+                    host = probe.device.type == info.get("device") == "cpu"
+                    self.links[r.index] = RankLink(info["address"], info["secret"], info["pid"], token, fence,
+                                                   writable=host or fence is not None)
             except Exception as e:
                 logger.warning("[RDT] no call lane to %s (%s: %s); its pulls go through Ray",
                                r.label(), type(e).__name__, str(e).splitlines()[0][:200])
@@ -195,16 +199,17 @@ class Lanes:
         return None if link is None or link.broken else link
 
     def pull(self, rank: int, group, meta, timeout: Optional[float], prepare: bool = False,
-             fence: bool = False, ready: Optional[bytes] = None) -> LaneCall:
+             fence: bool = False, ready: Optional[bytes] = None, op: str = "pull") -> LaneCall:
         """Send ``rank`` a pull of ``meta`` (``group``'s same-node description). The layout and a kept description
         go along only the first time this lane sees them; later pulls name their ids. ``fence``: the rank may
         answer once its copy is queued; the caller must :meth:`RankLink.wait_fence` before it lets go of the tensors.
-        ``ready``: the IPC handle of an event of this process the rank waits for before it copies."""
+        ``ready``: the IPC handle of an event of this process the rank waits for before it copies. ``op="grant"``
+        (``meta`` None): the rank answers with its targets for this process to write (``"pushed"`` says how)."""
         link = self.links[rank]
         first = group.layout not in link.defined
-        kept = meta.ipc.kept_id if meta.ipc is not None else 0
+        kept = meta.ipc.kept_id if meta is not None and meta.ipc is not None else 0
         known = kept and kept in link.sources
-        call = link.send("prepare" if prepare else "pull", {
+        call = link.send("prepare" if prepare else op, {
             "layout": group.layout, "names": list(group.names) if first else None,
             "specs": group.specs() if first else None, "timeout": timeout,
             "source": None if known else meta, "source_id": kept,

@@ -8,6 +8,7 @@ after the ranks dropped their mappings of them (:class:`SenderLink`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -136,7 +137,7 @@ class BucketSender:
             if buf.is_cuda:
                 torch.cuda.synchronize(buf.device)  # the trainer's queued work on its tensors
             for d, g in zip(dst, groups):
-                self._gather(buf, d, g)
+                gather(buf.device, d, g)
             if buf.is_cuda and queued:
                 self.ready.record(torch.cuda.current_stream(buf.device))
             elif buf.is_cuda:
@@ -154,33 +155,6 @@ class BucketSender:
             raise
         self.stats["fills"] += 1
         return out
-
-    @staticmethod
-    def _gather(buf: torch.Tensor, dst: np.ndarray, group) -> None:
-        """Copy ``group``'s tensors to ``dst`` bit for bit. On the slot's GPU: the contiguous ones in one kernel,
-        the other views in one strided kernel; a copy into a view for each other tensor."""
-        sc = group.scan
-        here = (sc.device == buf.device.index) & (sc.nbytes > 0) if buf.is_cuda else np.zeros(len(sc), bool)
-        flat = here & sc.contiguous
-        if flat.any():
-            copy_ptrs(buf.device.index, dst[flat], sc.ptrs[flat], sc.nbytes[flat])
-        rows, done = [], flat.copy()
-        for i in np.flatnonzero(here & ~sc.contiguous).tolist():
-            t = group.tensors[i]
-            view = strided_rows(int(dst[i]), int(sc.ptrs[i]), t.shape, t.stride(), t.element_size()) \
-                if t.element_size() in _BITS else None
-            if view is not None:
-                rows += view
-                done[i] = True
-        if rows:
-            copy_kernel(buf.device.index).strided(rows)
-        for i in np.flatnonzero(~done & (sc.nbytes > 0)).tolist():
-            t = group.tensors[i]
-            v = BucketSender._view(buf, int(dst[i]) - buf.data_ptr(), t)
-            bits = _BITS.get(t.element_size()) if t.dtype.is_floating_point else None
-            if bits is not None and t.dim():  # (integer views: NaN payloads copied as they are)
-                v, t = v.view(bits), t.view(bits)
-            v.copy_(t)
 
     def _put(self, views, transport: str):
         import ray
@@ -216,6 +190,48 @@ class BucketSender:
         staging.release(self._pool)
         self._pool = None
         return n
+
+
+def gather(device: torch.device, dst: np.ndarray, group) -> None:
+    """Copy ``group``'s tensors bit for bit to the addresses ``dst`` on ``device`` (a slot, or a rank's parameters
+    mapped here), queued on the current stream: the contiguous ones on a GPU in one kernel, the other views there in
+    one strided kernel; any other tensor through a contiguous copy on ``device`` first."""
+    sc = group.scan
+    here = (sc.device == device.index) & (sc.nbytes > 0) if device.type == "cuda" else np.zeros(len(sc), bool)
+    flat = here & sc.contiguous
+    if flat.any():
+        copy_ptrs(device.index, dst[flat], sc.ptrs[flat], sc.nbytes[flat])
+    rows, done = [], flat.copy()
+    for i in np.flatnonzero(here & ~sc.contiguous).tolist():
+        t = group.tensors[i]
+        view = strided_rows(int(dst[i]), int(sc.ptrs[i]), t.shape, t.stride(), t.element_size()) \
+            if t.element_size() in _BITS else None
+        if view is not None:
+            rows += view
+            done[i] = True
+    if rows:
+        copy_kernel(device.index).strided(rows)
+    for i in np.flatnonzero(~done & (sc.nbytes > 0)).tolist():
+        t = group.tensors[i]
+        bits = _BITS.get(t.element_size()) if t.dtype.is_floating_point and t.dim() else None
+        tmp = (t.view(bits) if bits is not None else t).to(device).contiguous()  # (NaN payloads kept as they are)
+        if device.type == "cuda":
+            copy_ptrs(device.index, dst[i:i + 1], np.array([tmp.data_ptr()], np.int64), sc.nbytes[i:i + 1])
+        else:
+            ctypes.memmove(int(dst[i]), tmp.data_ptr(), int(sc.nbytes[i]))
+
+
+def write_into(meta, group, device: torch.device) -> str:
+    """Write ``group`` straight into another process's tensors that ``meta`` describes (a rank granted its
+    parameters): one copy, returning its path once every byte landed. MappingFailed: refused before any byte."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the trainer's queued work on its tensors
+        with same_node.mapped(meta, device) as dst:
+            gather(device, dst, group)
+            torch.cuda.current_stream(device).synchronize()
+        return "cuda_ipc write"
+    same_node.write_host(meta, group.tensors)
+    return "cma write"
 
 
 class SenderLink:

@@ -15,12 +15,14 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S, PULL_WAIT_MARGIN_S, STREAM_GROUPS_PER_BUCKET
-from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
+from sglang.srt.ray.rdt.errors import NotWritable, WeightSyncError, WeightSyncRankError
 from sglang.srt.ray.rdt.ranks import settle, unfinished
 from sglang.srt.ray.rdt.trainer import buckets
 from sglang.srt.ray.rdt.trainer.lane import LaneCall
+from sglang.srt.ray.rdt.trainer.sender import write_into
 from sglang.srt.ray.rdt.trainer.stats import BucketStats, UpdateStats
 from sglang.srt.ray.rdt.transport import same_node
+from sglang.srt.ray.rdt.transport.metadata import MappingFailed
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,9 @@ class Update:
     held: int = 0
     max_held: int = 0
     gathered: int = 0  # bytes gathered into the slots (not read where the trainer made them)
+    written: int = 0  # bytes this process wrote into the ranks' parameters itself
     in_place: bool = False  # a mapping: read where it is (every tensor in kept memory)
+    push: bool = False  # else: written by this process straight into the ranks' parameters (their device is ours)
     ended: bool = False  # the session's end was called
     moved_bytes: int = 0
     t_first: Optional[float] = None
@@ -106,7 +110,9 @@ class Update:
         if not self.stream:  # (each mapping looked at once)
             payloads = [buckets.whole(p) for p in payloads]
             self.in_place = self.route.direct and all(readable_in_place(p, c.device_obj) for p in payloads)
-        self.group_bytes = group_bytes_for(self.in_place or (self.stream and self.route.direct),
+        self.push = not self.in_place and c.export != "buckets" and all(
+            getattr(c.lanes.link(r), "writable", False) for rg in self.rank_groups for r in rg)
+        self.group_bytes = group_bytes_for(self.in_place or (self.stream and self.route.direct) or self.push,
                                            self.bucket_bytes, self.stream)
         steps = buckets.steps(payloads, self.rank_groups, self.group_bytes)
         self.slot_bytes = self.bucket_bytes
@@ -144,7 +150,7 @@ class Update:
     def _room(self) -> bool:
         """Whether the next step may be sent before another lands: in place, always; gathered, while a slot is
         free; an iterator, while its bytes in flight and the next group stay within two buckets."""
-        if self.in_place:
+        if self.in_place or (self.push and not self.stream):
             return True
         if not self.stream:
             return len(self.flights) < 2
@@ -161,14 +167,10 @@ class Update:
                 readable_in_place(g, c.device_obj) for _, g in step)):
             flight = self._describe(index, step)
         else:
-            flight = self._fill(index, step)
+            flight = (self.push and self._push(index, step)) or self._fill(index, step)
         self.flights.append(flight)
         flight.fill_seconds = time.perf_counter() - t0
-        if not self.session_open:
-            t1 = time.perf_counter()
-            self.session_id = c.session.begin()
-            self.session_open = True
-            self.begin_seconds = time.perf_counter() - t1
+        self._begin()
         flight.sent_at = time.perf_counter()
         for (rg, group), (ref, meta) in zip(step, flight.sources):
             for r in self.rank_groups[rg]:
@@ -183,6 +185,57 @@ class Update:
                 flight.calls.append((r, call))
             if self.stream and self.strict:  # (a mapping was checked whole before)
                 self.sent[rg].update(group.names)
+
+    def _begin(self) -> None:
+        if not self.session_open:
+            t0 = time.perf_counter()
+            self.session_id = self.client.session.begin()
+            self.session_open = True
+            self.begin_seconds = time.perf_counter() - t0
+
+    def _push(self, index: int, step) -> Optional[Flight]:
+        """Write the step straight into its ranks' parameters (one copy): every rank grants its targets after the
+        checks of a pull, then this process writes them and says how it went. None: a rank cannot be written from
+        here (nothing written; its steps go through the slots from now on)."""
+        c = self.client
+        self._begin()
+        grants = [(r, g, c.lanes.pull(r, g, None, c.pull_timeout_s, op="grant"))
+                  for rg, g in step for r in self.rank_groups[rg]]
+        flight, error, outs = Flight(index, step, [], 0.0), None, []
+        self.lane_calls += 2 * len(grants)  # (each answered by a "pushed")
+        for r, g, call in grants:
+            try:
+                outs.append((r, g, call.result(self.wait_s)))
+                c.lanes.defined(r, call)
+            except Exception as e:  # (every grant is answered before anything is written)
+                error = error or (r, e, "pull")
+        for r, g, out in outs:
+            t0, outcome, path = time.perf_counter(), "none", "write"
+            try:
+                if error is None:
+                    outcome = "broken"
+                    path = write_into(out["targets"], g, c.device_obj)
+                    outcome = "done"
+            except MappingFailed as e:
+                outcome, error = "none", (r, NotWritable(f"{c.labels[r]}: {e}"), "write")
+            except BaseException as e:
+                error = error or (r, e, "write")
+            finally:
+                flight.calls.append((r, c.lanes.links[r].send("pushed", {
+                    "grant": out["grant"], "outcome": outcome, "transport": path, "tensors": len(g.names),
+                    "bytes": g.nbytes, "seconds": time.perf_counter() - t0})))
+        if error is None:
+            for _, g in step:
+                self.written += g.nbytes
+                g.tensors = []  # written: not read again
+            return flight
+        r, e, phase = error
+        settle(flight.calls, self.wait_s)  # (the ranks recorded every outcome before the slots take over)
+        if not isinstance(e, NotWritable):
+            raise WeightSyncRankError(r, c.ranks[r].name, f"{phase} of step {index + 1}", e, [(r, e)]) from e
+        logger.warning("[RDT] %s: its steps go through the bucket slots (%s)", c.labels[r], str(e)[:300])
+        c.lanes.links[r].writable = self.push = False
+        return None
 
     def _describe(self, index: int, step) -> Flight:
         """Kept memory: describe the trainer's own tensors where they are."""
@@ -342,7 +395,8 @@ class Update:
             seconds=time.perf_counter() - t0, transfer_seconds=transfer,
             begin_seconds=self.begin_seconds, end_seconds=self.end_seconds, plan_seconds=self.plan_seconds,
             gbps=payload / transfer / 1e9 if transfer > 0 else 0.0,
-            path="direct" if not self.gathered else "buckets" if self.gathered >= payload else "direct+buckets",
+            path="+".join(p for p, n in (("direct", payload - self.gathered - self.written), ("write", self.written),
+                                         ("buckets", self.gathered)) if n > 0) or "direct",
             transport=",".join(self.paths) or "none", lane_calls=self.lane_calls,
             held_bytes=self.max_held, gathered_bytes=self.gathered)
 

@@ -10,6 +10,7 @@ before reusing the memory, and the reader settles the copy before its next work.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -288,6 +289,13 @@ class CudaIpcReader:
                     stream.synchronize()  # (a pull may run on another stream)
         res.seconds = time.perf_counter() - t0
         return res
+
+    @contextlib.contextmanager
+    def mapped(self, part: IpcPart, ordinal: int):
+        """The addresses here of ``part``'s tensors (kept mapped), held open while the block writes them."""
+        res = ReadResult("cuda_ipc", len(part.nbytes), int(part.nbytes.sum()), 0.0)
+        with self.lock, cuda_driver.pushed(cuda_driver.driver(), ordinal) as drv:
+            yield self._sources(drv, part, ordinal, res, True)
 
     def _sources(self, drv, part: IpcPart, ordinal: int, res: ReadResult, copy: bool) -> np.ndarray:
         hit = self._resolved.get(id(part))

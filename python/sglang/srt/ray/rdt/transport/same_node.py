@@ -14,7 +14,7 @@ import torch
 from sglang.srt.ray.rdt.transport import compat, cuda_driver, tensor_scan
 from sglang.srt.ray.rdt.transport.cma import CmaPath, export_cma
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader, KeptSource, NotKept
-from sglang.srt.ray.rdt.transport.metadata import ReadResult, SglangIpcTransportMetadata, Targets
+from sglang.srt.ray.rdt.transport.metadata import MappingFailed, ReadResult, SglangIpcTransportMetadata, Targets
 
 __all__ = ["Targets", "export", "kept_mask", "keep", "NotKept", "read", "fence", "settle", "unusable", "release",
            "token", "node_id", "reach"]
@@ -27,6 +27,7 @@ _ipc_reader: Optional[CudaIpcReader] = None
 _cma: Optional[CmaPath] = None
 _node_id: Optional[str] = None
 _reach: Optional[Dict[str, Any]] = None
+_own: Dict[int, tuple] = {}  # GPU ordinal -> ({base: size} of tensors granted to writers, its kept source)
 
 
 def token() -> str:
@@ -108,6 +109,49 @@ def describe(ptrs: np.ndarray, nbytes: np.ndarray, device,
     else:
         meta.ipc = _parts()[0].export(ptrs, nbytes, device.index, node_id())
     return meta
+
+
+def writable(targets: Targets, device) -> SglangIpcTransportMetadata:
+    """Describe this process's ``targets`` for a writer on this node (a rank grants its trainer its parameters; on
+    a GPU their segments become kept memory). Raises when they cannot be exported."""
+    if device is None or device.type != "cuda":
+        return describe(targets.ptrs, targets.nbytes, torch.device("cpu"))
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    exporter = _parts()[0]
+    for fresh in (False, True):  # (a segment freed since: every segment looked up anew)
+        if fresh or ordinal not in _own:
+            if ordinal in _own:
+                exporter.remove_source(ordinal, _own[ordinal][1])
+            segments: Dict[int, int] = {}
+            _own[ordinal] = (segments, lambda segments=segments: list(segments.items()))
+            exporter.add_source(ordinal, _own[ordinal][1])
+        try:
+            if not exporter.kept_mask(targets.ptrs, targets.nbytes, ordinal).all():
+                with cuda_driver.pushed(cuda_driver.driver(), ordinal) as drv:
+                    _own[ordinal][0].update(drv.address_range(p) for p in set(targets.ptrs.tolist()))
+            return describe(targets.ptrs, targets.nbytes, torch.device("cuda", ordinal))
+        except cuda_driver.CudaDriverError:
+            if fresh:
+                raise
+    raise AssertionError("unreachable")
+
+
+def mapped(meta: SglangIpcTransportMetadata, device):
+    """A context giving the addresses here of the other process's tensors ``meta`` describes, mapped (kept) and
+    held open while it runs (:class:`~.metadata.MappingFailed`: refused)."""
+    why = unusable(meta, device)
+    if why is not None or meta.ipc is None:
+        raise MappingFailed(why or "not GPU memory")
+    return _parts()[1].mapped(meta.ipc, device.index if device.index is not None else torch.cuda.current_device())
+
+
+def write_host(meta: SglangIpcTransportMetadata, tensors) -> None:
+    """Write contiguous host ``tensors`` into the other process's that ``meta`` describes, whole or raise
+    (:class:`~.metadata.MappingFailed`: refused before any byte moved)."""
+    why = unusable(meta, torch.device("cpu"))
+    if why is not None or meta.cma is None:
+        raise MappingFailed(why or "not host memory")
+    _parts()[2].write(meta.cma, tensors)
 
 
 def unusable(meta: SglangIpcTransportMetadata, device) -> Optional[str]:

@@ -45,8 +45,8 @@ def test_bench_pull_cpu_mode_checks_bytes_and_prints_every_mode_with_its_ratio(r
     rows = table(lines, "trainer")
     assert set(rows) == set(MODES), log
     for mode, row in rows.items():
-        # CPU tensors: bucket slots that the rank reads over its lane with process_vm_readv
-        assert row["path"].startswith("buckets (cma, "), (mode, row)  # (how much was gathered)
+        # CPU tensors: written by the trainer into the rank's parameters over its lane (process_vm_writev)
+        assert row["path"] == "write (cma write)", (mode, row)
         assert re.fullmatch(r"[0-9]+\.[0-9] ms", row["whole update"]), (mode, row)
         assert re.fullmatch(r"\*\*[0-9]+\.[0-9]{2}x\*\*", row["ratio"]), (mode, row)
         assert row["bytes"] == "ok", (mode, row)

@@ -369,6 +369,106 @@ def test_the_ranks_own_failure_comes_back_as_itself(rank):
 
 
 # --------------------------------------------------------------------------- #
+# Writes the trainer makes itself
+# --------------------------------------------------------------------------- #
+def grant(link, group, layout: int = 5):
+    """Ask the rank for ``group``'s targets (the layout defined with it)."""
+    return link.send("grant", {"layout": layout, "names": group.names, "specs": group.specs(),
+                               "timeout": 10.0}).result(30)
+
+
+def pushed(link, out, outcome: str, group):
+    return link.send("pushed", {"grant": out["grant"], "outcome": outcome, "transport": "cma write",
+                                "tensors": len(group.names), "bytes": group.nbytes, "seconds": 0.01}).result(30)
+
+
+def test_a_granted_write_lands_in_place_and_counts_once_confirmed(rank):
+    """The rank grants its parameters after the checks of a pull; this
+    process writes them (process_vm_writev), and the update counts them once
+    the write is confirmed: every byte in place, the update consistent."""
+    from sglang.srt.ray.rdt.trainer.sender import write_into
+
+    model = rank.model
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    _, link = open_link(rank)
+    try:
+        w = new_weights(model, 31)
+        views = {n: t.t().contiguous().t() if t.dim() == 2 else t for n, t in w.items()}  # not contiguous
+        group = group_of(views, layout=5)
+        out = grant(link, group)
+        assert (out["tensors"], out["bytes"]) == (4, group.nbytes) and out["targets"].cma is not None
+        assert rank.state.status()["update_in_progress"]["params_written"] == 0  # granted, not written
+        assert write_into(out["targets"], group, torch.device("cpu")) == "cma write"
+        assert all(torch.equal(p, w[n]) for n, p in model.named_parameters())
+        assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+        assert pushed(link, out, "done", group)["outcome"] == "done"
+        done = link.send("finalize", {"weight_version": "w1"}).result(30)
+        assert (done["update"]["params_updated"], done["update"]["consistent"]) == (4, True)
+        assert done["update"]["transport"] == "cma write"
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("ending", ["finalize", "abort", "lane closed", "broken"])
+def test_a_grant_never_confirmed_done_leaves_the_weights_inconsistent(rank, ending):
+    """A grant whose write is not confirmed done: finalize refuses to call
+    the update consistent, an abort or the trainer's lane closing marks the
+    weights inconsistent, a write reported broken too; a write confirmed
+    after its update was aborted is refused and marks them inconsistent."""
+    model = rank.model
+    _, link = open_link(rank)
+    group = group_of(new_weights(model, 32), layout=5)
+    try:
+        out = grant(link, group)
+        if ending == "finalize":
+            with pytest.raises(WeightSyncError, match="4 parameters granted for a direct write were never "
+                                                      "confirmed written"):
+                link.send("finalize", {"weight_version": "w2"}).result(30)
+        elif ending == "abort":
+            link.send("abort", {"reason": "stop"}).result(30)
+            with pytest.raises(WeightSyncError, match="reported a direct write done that no open update granted"):
+                pushed(link, out, "done", group)
+        elif ending == "broken":
+            pushed(link, out, "broken", group)
+            with pytest.raises(WeightSyncError, match="4 parameters of a transfer that broke"):
+                link.send("finalize", {"weight_version": "w2"}).result(30)
+        else:
+            link.close()
+            wait_until(lambda: not rank.state.consistent and not rank.state.update_open, 30,
+                       what="the rank to abort the update of a writer gone")
+        st = rank.state.status()
+        assert (st["weights_consistent"], st["update_open"]) == (False, False)
+        assert rank.port.weight_version() != "w2"
+    finally:
+        link.close()
+
+
+def test_a_grant_released_unwritten_leaves_the_update_clean_and_a_refused_one_grants_nothing(rank):
+    """A grant the trainer gives back unwritten ("none") leaves nothing to
+    repair; a grant refused like a pull (a name the rank lacks) grants
+    nothing; a grant of another writer's ids is no confirmation."""
+    model = rank.model
+    _, link = open_link(rank)
+    _, other = open_link(rank, "other-trainer")
+    try:
+        group = group_of(new_weights(model, 33), layout=5)
+        out = grant(link, group)
+        with pytest.raises(WeightSyncError, match="no open update granted"):
+            pushed(other, {"grant": out["grant"]}, "done", group)  # not its grant
+        assert pushed(link, out, "none", group)["outcome"] == "none"
+        bad = group_of({"no.such": torch.zeros(2)}, layout=6)
+        with pytest.raises(WeightSyncError, match="no.such"):
+            grant(link, bad, layout=6)
+        assert rank.state.status()["update_in_progress"]["params_written"] == 0
+        other.close()  # (its refused confirmation marked the weights; a clean update repairs them)
+        out = grant(link, group)
+        pushed(link, out, "done", group)
+        done = link.send("finalize", {"weight_version": "w3"}).result(30)
+        assert done["update"]["consistent"] is True and rank.state.consistent
+    finally:
+        link.close()
+        other.close()
+# --------------------------------------------------------------------------- #
 # Nothing hangs
 # --------------------------------------------------------------------------- #
 def test_a_trainer_stalling_in_a_frame_is_cut_off_and_others_are_served(rank, monkeypatch):

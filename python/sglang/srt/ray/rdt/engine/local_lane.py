@@ -285,8 +285,7 @@ class RankLane:
             if len(conn.sources) >= MAX_LAYOUTS and source_id not in conn.sources:
                 conn.sources.clear()
             conn.sources[source_id] = meta
-        source = LocalSource(meta, conn.writer, specs, fence=op == "pull" and bool(kw.get("fence")),
-                             ready=kw.get("ready") if op == "pull" else None)
+        source = LocalSource(meta, conn.writer, specs, fence=op == "pull" and bool(kw.get("fence")))
         if op == "prepare":
             return self._rank.prepare_sources([source], [names], key)
         return lambda: self._rank.pull_sources([source], [names], kw.get("timeout"), key)

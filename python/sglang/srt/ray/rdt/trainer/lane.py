@@ -199,12 +199,12 @@ class Lanes:
         return None if link is None or link.broken else link
 
     def pull(self, rank: int, group, meta, timeout: Optional[float], prepare: bool = False,
-             fence: bool = False, ready: Optional[bytes] = None, op: str = "pull") -> LaneCall:
+             fence: bool = False, op: str = "pull") -> LaneCall:
         """Send ``rank`` a pull of ``meta`` (``group``'s same-node description). The layout and a kept description
         go along only the first time this lane sees them; later pulls name their ids. ``fence``: the rank may
         answer once its copy is queued; the caller must :meth:`RankLink.wait_fence` before it lets go of the tensors.
-        ``ready``: the IPC handle of an event of this process the rank waits for before it copies. ``op="grant"``
-        (``meta`` None): the rank answers with its targets for this process to write (``"pushed"`` says how)."""
+        ``op="grant"`` (``meta`` None): the rank answers with its targets for this process to write (a
+        ``"pushed"`` request says how that went)."""
         link = self.links[rank]
         first = group.layout not in link.defined
         kept = meta.ipc.kept_id if meta is not None and meta.ipc is not None else 0
@@ -213,7 +213,7 @@ class Lanes:
             "layout": group.layout, "names": list(group.names) if first else None,
             "specs": group.specs() if first else None, "timeout": timeout,
             "source": None if known else meta, "source_id": kept,
-            "fence": fence and link.fence is not None, "ready": ready})
+            "fence": fence and link.fence is not None})
         call.defines = group.layout if first else None
         call.defines_source = 0 if known else kept
         return call

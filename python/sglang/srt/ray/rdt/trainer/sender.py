@@ -46,8 +46,6 @@ class BucketSender:
         self._in_flight: List[Optional[str]] = [None] * NUM_SLOTS
         self._pool = None  # the staging pool the slots live in (CUDA)
         self._closed = False
-        self._ready: Optional[torch.cuda.Event] = None
-        self.ready_handle: Optional[bytes] = None  # its IPC handle, once made
         self._registered: set = set()  # slots registered with NIXL (the first ref put of each)
         self.stats: Dict[str, int] = {"fills": 0, "allocations": 0, "puts": 0, "registrations": 0}
 
@@ -55,16 +53,6 @@ class BucketSender:
     def slot_bytes(self) -> int:
         buf = self._slots[0]
         return 0 if buf is None else buf.numel()
-
-    @property
-    def ready(self) -> torch.cuda.Event:
-        """The inter-process event a queued fill records after its gather (made once, on the slots' GPU)."""
-        if self._ready is None:
-            with torch.cuda.device(self._device):
-                self._ready = torch.cuda.Event(interprocess=True)
-                self._ready.record()  # (made on this device now)
-            self.ready_handle = self._ready.ipc_handle()
-        return self._ready
 
     def _check_open(self) -> None:
         if self._closed:
@@ -115,10 +103,9 @@ class BucketSender:
 
     @torch.no_grad()
     def fill(self, slot: int, token: str, offsets: Sequence[Sequence[int]], groups,
-             ref_transport: Optional[str], local: bool, queued: bool = False) -> List[Tuple[Any, Any]]:
+             ref_transport: Optional[str], local: bool) -> List[Tuple[Any, Any]]:
         """Gather ``groups`` into ``slot`` at byte ``offsets`` and mark it in flight under ``token``. Returns per
-        group ``(ref put with ref_transport or None, same-node description if local or None)``. ``queued``: return
-        with the gather queued and :attr:`ready` recorded after it (every reader waits on that event first)."""
+        group ``(ref put with ref_transport or None, same-node description if local or None)``."""
         self._check_open()
         if self._in_flight[slot] is not None:
             raise BucketInFlightError(
@@ -138,9 +125,7 @@ class BucketSender:
                 torch.cuda.synchronize(buf.device)  # the trainer's queued work on its tensors
             for d, g in zip(dst, groups):
                 gather(buf.device, d, g)
-            if buf.is_cuda and queued:
-                self.ready.record(torch.cuda.current_stream(buf.device))
-            elif buf.is_cuda:
+            if buf.is_cuda:
                 torch.cuda.synchronize(buf.device)
             if ref_transport:
                 self._register_slot(slot)

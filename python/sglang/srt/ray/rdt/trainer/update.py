@@ -39,7 +39,6 @@ class Flight:
     slot: Optional[int] = None  # buckets: the slot the ranks read
     token: str = ""
     held_bytes: int = 0  # direct: the trainer's bytes the ranks read in place
-    ready: Optional[bytes] = None  # buckets, queued: the IPC handle of the event the ranks wait on first
     sources: List[Tuple[Any, Any]] = field(default_factory=list)  # per region: (ref, description)
 
 
@@ -176,7 +175,7 @@ class Update:
             for r in self.rank_groups[rg]:
                 try:
                     if r in self.route.lanes:  # it may answer once its copy is queued: _land waits on its fence
-                        call = c.lanes.pull(r, group, meta, c.pull_timeout_s, fence=True, ready=flight.ready)
+                        call = c.lanes.pull(r, group, meta, c.pull_timeout_s, fence=True)
                         self.lane_calls += 1
                     else:
                         call = c.ranks[r].actor.pull_weights.remote([ref], group.names, c.pull_timeout_s)
@@ -265,12 +264,8 @@ class Update:
         flight = Flight(index, step, [], 0.0, slot=slot, token=token)
         local = any(r in self.route.lanes for rg, _ in step for r in self.rank_groups[rg])
         ray_ranks = any(r not in self.route.lanes for rg, _ in step for r in self.rank_groups[rg])
-        # every rank on the trainer's GPU and reached by a lane: they wait for the gather there, not this process
-        queued = not ray_ranks and all(getattr(c.lanes.link(r), "fence", None) is not None
-                                       for rg, _ in step for r in self.rank_groups[rg])
         flight.sources = c.sender.call("fill", slot, token, offsets, [g for _, g in step],
-                                       self.route.ref_transport if ray_ranks else None, local, queued)
-        flight.ready = c.sender.sender.ready_handle if queued else None
+                                       self.route.ref_transport if ray_ranks else None, local)
         self.gathered += need
         for _, group in step:
             group.tensors = []  # copied: the trainer's tensors are not read again

@@ -1,11 +1,12 @@
 """GPU tensors between processes of one node: CUDA IPC handles of kept memory, one copy per read.
 
-Only *kept memory* (the staging pool, buffers registered with NIXL) is read in place; other tensors are refused
-(:class:`NotKept`). The exporter checks its table again whenever the device freed memory: a segment allocated anew
-gets a new handle. A reader keeps each segment mapped until the sender releases it or exits (closed within
-:data:`WATCH_S`). The sender synchronises before a read, or the reader first polls the sender's event (*ready*); the
-reader synchronises its copy on the host unless the read is *fenced*: then the sender waits on the reader's event
-before reusing the memory, and the reader settles the copy before its next work.
+Only *kept memory* (the staging pool, buffers registered with NIXL, a rank's parameters it granted a writer) is
+mapped by another process; other tensors are refused (:class:`NotKept`). The exporter checks its table again whenever
+the device freed memory: a segment allocated anew gets a new handle. A reader keeps each segment mapped until the
+sender releases it or exits (closed within :data:`WATCH_S`). The sender synchronises before a read; the reader
+synchronises its copy on the host unless the read is *fenced*: then the sender waits on the reader's event before
+reusing the memory, and the reader settles the copy before its next work. A writer (:meth:`CudaIpcReader.mapped`)
+maps a rank's parameters the same way and writes them itself.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S
 from sglang.srt.ray.rdt.transport import cuda_driver
-from sglang.srt.ray.rdt.transport.cma import pid_alive, wait_for_event
+from sglang.srt.ray.rdt.transport.cma import pid_alive
 from sglang.srt.ray.rdt.transport.cuda_driver import CudaDriverError, device_uuid, local_ordinal_of
 from sglang.srt.ray.rdt.transport.metadata import IpcPart, MappingFailed, ReadResult, Targets
 
@@ -197,7 +197,6 @@ class CudaIpcReader:
         self._no_kernel: Optional[str] = None
         self._fences: Dict[int, torch.cuda.Event] = {}  # ordinal -> this reader's event
         self._unsettled: Optional[torch.cuda.Event] = None  # a fenced copy not yet waited for here
-        self._senders_events: Dict[bytes, torch.cuda.Event] = {}  # IPC handle -> a sender's event opened here
         self._watch: Optional[threading.Thread] = None
 
     def fence(self, ordinal: int) -> torch.cuda.Event:
@@ -213,19 +212,6 @@ class CudaIpcReader:
                 ev.record(torch.cuda.current_stream(ordinal))  # (created on this device now)
             self._fences[ordinal] = ev
         return ev
-
-    def _wait_sender(self, handle: bytes, ordinal: int, pid: int) -> None:
-        """Wait (polling, bounded; never on the GPU, so a sender that dies cannot stall this process) for the
-        sender's event of IPC ``handle``, opened once."""
-        ev = self._senders_events.get(handle)
-        try:
-            if ev is None:
-                if len(self._senders_events) >= self.max_kept_senders:
-                    self._senders_events.clear()
-                ev = self._senders_events[handle] = torch.cuda.Event.from_ipc_handle(ordinal, handle)
-            wait_for_event(ev, pid, time.monotonic() + PULL_TIMEOUT_S, "the sender", "gather")
-        except Exception as e:
-            raise MappingFailed(f"the sender's bytes are not ready: {type(e).__name__}: {e}") from e
 
     def settle(self) -> None:
         """Wait for a fenced copy still running."""
@@ -255,12 +241,10 @@ class CudaIpcReader:
             return f"target buffers on {device}"
         return None
 
-    def read(self, part: IpcPart, targets: Targets, device, copy: bool = True, fence: bool = False,
-             ready: Optional[bytes] = None) -> ReadResult:
+    def read(self, part: IpcPart, targets: Targets, device, copy: bool = True, fence: bool = False) -> ReadResult:
         """Copy ``part``'s tensors into ``targets`` on ``device`` (``copy=False``: only map and make the kernel table;
-        ``fence``: return with the copy queued and this reader's event recorded after it; ``ready``: first wait
-        for the sender's event of this IPC handle). Raises :class:`MappingFailed`, before any byte moved, when a
-        segment cannot be mapped or the sender's event did not complete."""
+        ``fence``: return with the copy queued and this reader's event recorded after it). Raises
+        :class:`MappingFailed`, before any byte moved, when a segment cannot be mapped."""
         t0 = time.perf_counter()
         targets.check(part.nbytes)
         dst_ord = device.index if device.index is not None else torch.cuda.current_device()
@@ -272,8 +256,6 @@ class CudaIpcReader:
             src = self._sources(drv, part, dst_ord, res, copy)
             if copy and len(targets.tensors):
                 t1 = time.perf_counter()
-                if ready is not None:
-                    self._wait_sender(ready, dst_ord, part.pid)
                 res.method = self._copy(drv, targets, src, part.nbytes, src_ord, dst_ord)
                 if fence:
                     ev = self._fence_locked(dst_ord)

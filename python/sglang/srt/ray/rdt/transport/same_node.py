@@ -165,15 +165,14 @@ def unusable(meta: SglangIpcTransportMetadata, device) -> Optional[str]:
 
 
 def read(meta: SglangIpcTransportMetadata, targets: Targets, device, copy: bool = True,
-         fence: bool = False, ready: Optional[bytes] = None) -> ReadResult:
+         fence: bool = False) -> ReadResult:
     """Read ``meta``'s tensors into ``targets`` (call :func:`unusable` first). ``fence``: a GPU read may return with
-    its copy running (the sender waits on :func:`fence`'s event; call :func:`settle` before the next work).
-    ``ready``: the IPC handle of the sender's event recorded after it wrote the bytes, waited for first. Raises
+    its copy running (the sender waits on :func:`fence`'s event; call :func:`settle` before the next work). Raises
     :class:`~.metadata.MappingFailed` when refused before any byte moved; any other error: bytes may have landed."""
     _, ipc, cma = _parts()
     if meta.cma is not None:
         return cma.read(meta.cma, targets, copy)
-    return ipc.read(meta.ipc, targets, device, copy, fence, ready)
+    return ipc.read(meta.ipc, targets, device, copy, fence)
 
 
 def fence(device) -> Optional[Dict[str, Any]]:

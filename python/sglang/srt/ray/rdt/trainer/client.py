@@ -56,7 +56,8 @@ class WeightSyncClient:
         transport: how ranks without a lane pull slot refs: ``"auto"``, ``"SGLANG_IPC"``, or ``"nixl"`` (every
             rank, no lanes; refused for a rank on the trainer's own GPU).
         export: ``"auto"`` (in place where the ranks can, else buckets), ``"direct"`` (in place, or fail before
-            anything moves) or ``"buckets"`` (always copy).
+            anything moves) or ``"buckets"`` (always copy, never written by this process). Tensors outside kept
+            memory are written by this process into the parameters of ranks on its own device, unless ``"buckets"``.
         lane: reach ranks on this node over their call lane; False: Ray calls and slot refs only.
         api_key: the engine's ``--admin-api-key`` (else ``--api-key``); default ``$SGLANG_RDT_API_KEY``.
         staging: :meth:`staging` allocates in the staging pool (:mod:`.staging`), which ranks keep mapped.

@@ -31,7 +31,7 @@ from sglang.srt.ray.rdt.lane_wire import FRAME, recv_frame, send_frame
 from sglang.srt.ray.rdt.ranks import gather, unfinished
 from sglang.srt.ray.rdt.trainer import buckets
 from sglang.srt.ray.rdt.trainer.discovery import RankInfo
-from sglang.srt.ray.rdt.trainer.lane import Lanes, RankGone, RankLink, wait_for_event
+from sglang.srt.ray.rdt.trainer.lane import Lanes, RankGone, RankLink
 from sglang.srt.ray.rdt.transport import same_node
 
 NODE = "lane-test-node"
@@ -563,43 +563,6 @@ def test_a_call_waits_no_longer_than_its_timeout_and_names_a_rank_process_that_e
             rank_process.kill()
             rank_process.wait()
         server.close()
-
-
-class _Event:
-    """Stands in for a rank's CUDA event opened by the trainer: done once set."""
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.queries = 0
-
-    def query(self) -> bool:
-        self.queries += 1
-        return self.done.is_set()
-
-
-def test_a_fence_wait_ends_with_the_copy_and_never_outlives_the_rank_or_the_timeout():
-    """The wait on a fenced pull's copy (the rank answered before it was
-    done): it returns once the event completes, names a rank process that
-    exits meanwhile, and stops at its deadline."""
-    rank_process = subprocess.Popen(["sleep", "120"])
-    try:
-        event = _Event()
-        timer = threading.Timer(0.1, event.done.set)
-        timer.start()
-        waited = wait_for_event(event, rank_process.pid, time.monotonic() + 60)
-        assert event.done.is_set() and waited > 0 and event.queries > 1
-        timer.join()
-        # Alive but the copy never ends: bounded by the deadline.
-        with pytest.raises(TimeoutError, match=rf"the rank's copy \(pid {rank_process.pid}\) did not finish"):
-            wait_for_event(_Event(), rank_process.pid, time.monotonic() + 0.3)
-        rank_process.kill()
-        rank_process.wait()
-        with pytest.raises(RankGone, match=rf"the rank's process \(pid {rank_process.pid}\) exited during its copy"):
-            wait_for_event(_Event(), rank_process.pid, time.monotonic() + 120)
-    finally:
-        if rank_process.poll() is None:
-            rank_process.kill()
-            rank_process.wait()
 
 
 # --------------------------------------------------------------------------- #

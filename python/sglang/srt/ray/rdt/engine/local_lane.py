@@ -1,12 +1,12 @@
-"""A rank's same-node call lane: a trainer on its node sends pulls, finalize and abort over a Unix socket.
+"""A rank's same-node call lane: a trainer on its node sends pulls, grants, finalize and abort over a Unix socket.
 
 Requests run the core's own calls. A layout (names, shapes, dtypes) and a description of kept memory are sent
-once per connection, then named by id.
+once per connection, then named by id. A trainer on the rank's own device asks for a *grant* instead of a pull (the
+checks of a pull, then the parameters described for it), writes them itself and says how that went (``pushed``).
 
-Threads: one serves the socket (reads every request, answers all but pulls); each pull goes to one of
+Threads: one serves the socket (reads every request, answers all but pulls and grants); each of those goes to one of
 :data:`PULL_WORKERS` threads that waits for the scheduler to run it and answers it, so the next pull is queued
-while this one copies. Anything else on a connection, and its end, first waits (bounded) for its pulls. A fenced
-pull is answered once its copy is queued (``RankWeightSync._settle_next``).
+while this one copies. Anything else on a connection, and its end, first waits (bounded) for its pulls.
 
 Who may call: the socket lives in a fresh 0700 directory, and every request carries the lane's secret, checked
 before anything is unpickled; only the actor call ``open_weight_sync_lane`` hands it out. The trainer process
@@ -285,7 +285,7 @@ class RankLane:
             if len(conn.sources) >= MAX_LAYOUTS and source_id not in conn.sources:
                 conn.sources.clear()
             conn.sources[source_id] = meta
-        source = LocalSource(meta, conn.writer, specs, fence=op == "pull" and bool(kw.get("fence")))
+        source = LocalSource(meta, conn.writer, specs)
         if op == "prepare":
             return self._rank.prepare_sources([source], [names], key)
         return lambda: self._rank.pull_sources([source], [names], kw.get("timeout"), key)

@@ -83,8 +83,7 @@ class RankWeightSync:
                 from sglang.srt.ray.rdt.engine.local_lane import RankLane
 
                 self.lane = RankLane(self, after_reply=self.prepare_next_pull)
-        return {**self.lane.open(sender, pid), "node_id": same_node.node_id(), "fence": same_node.fence(self.device),
-                "device": "cpu" if self.device is None else self.device.type}
+        return {**self.lane.open(sender, pid), "node_id": same_node.node_id(), "device": same_node.device_id(self.device)}
 
     def _probe_read(self, probe) -> Optional[str]:
         device = self.device if self.device is not None else torch.device("cpu")
@@ -137,10 +136,7 @@ class RankWeightSync:
         def run():
             why = self.quiesced()
             if why is None:
-                out = (op or self.receiver.pull)(make_sources(), names, timeout, key)
-                if out.get("fenced"):
-                    self._settle_next(names)
-                return out
+                return (op or self.receiver.pull)(make_sources(), names, timeout, key)
             if why in (NOT_PAUSED, NOT_PAUSED_IN_SESSION):
                 return why, _NOT_PAUSED_YET  # maybe the pause is still on its way
             raise WeightSyncError(NOT_QUIESCED.format(why=why))
@@ -161,21 +157,6 @@ class RankWeightSync:
             if kind is not None:
                 self.state.fail(kind)
             raise
-
-    def _settle_next(self, names) -> None:
-        """A fenced pull returned with its copy queued: the scheduler waits for the copy right after this
-        turn's work, before it may run a batch, close a mapping or read again."""
-        def settle(_scheduler=None):
-            try:
-                same_node.settle()
-            except Exception as e:  # the GPU failed the copy: whatever landed is not whole
-                flat = [n for ns in names for n in (ns if isinstance(ns, (list, tuple)) else [ns])]
-                reason = f"a copy into {len(flat)} parameters failed after its pull returned ({type(e).__name__}: {e})"
-                logger.error("[RDT] %s", reason)
-                self.state.transfer_failed(flat, reason)
-
-        if not self.safe_point.post(settle):
-            settle()  # (no loop yet, or it stopped: here and now)
 
     def prepare_sources(self, sources, names, key: Any = None) -> Dict[str, Any]:
         """Plan a lane pull and map its kept segments, writing nothing (no pause needed)."""

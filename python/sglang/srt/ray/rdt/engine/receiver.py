@@ -220,14 +220,10 @@ class RdtWeightReceiver:
             "plan_seconds": t_plan, "gbps": plan.nbytes / t_fetch / 1e9 if t_fetch > 0 else float("inf"),
             "sources": len(reads), "transports": transports, "transport": ",".join(transports),
             "registered": self.registered, "plan_reused": reused, "reads": [r.__dict__ for r in reads],
-            "fenced": any(r.fenced for r in reads), "timing": {"pull_start": t0, "pull_end": t0 + seconds},
+            "timing": {"pull_start": t0, "pull_end": t0 + seconds},
         }
         self.state.landed(writes, stats)
         level = logging.DEBUG if reused else logging.INFO
-        if stats["fenced"]:  # the copy runs on: its rate is not known here
-            logger.log(level, "[RDT] pulled %d tensors, %.1f MiB (copy queued in %.3f s, transport=%s)",
-                       plan.count, plan.nbytes / 2**20, t_fetch, stats["transport"])
-        else:
-            logger.log(level, "[RDT] pulled %d tensors, %.1f MiB in %.3f s (%.2f GB/s, transport=%s)",
-                       plan.count, plan.nbytes / 2**20, t_fetch, stats["gbps"], stats["transport"])
+        logger.log(level, "[RDT] pulled %d tensors, %.1f MiB in %.3f s (%.2f GB/s, transport=%s)",
+                   plan.count, plan.nbytes / 2**20, t_fetch, stats["gbps"], stats["transport"])
         return stats

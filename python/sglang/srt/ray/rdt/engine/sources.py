@@ -104,9 +104,8 @@ class InPlaceError(RuntimeError):
 class LocalSource:
     """A same-node description from the rank's call lane."""
 
-    def __init__(self, meta, writer: Writer, specs: List[TensorSpec], fence: bool = False):
+    def __init__(self, meta, writer: Writer, specs: List[TensorSpec]):
         self.meta, self._writer, self._specs = meta, writer, specs
-        self.fence = fence  # the trainer waits on the rank's event (same_node.read)
 
     def specs(self, timeout_s: float) -> List[TensorSpec]:
         return self._specs
@@ -119,7 +118,7 @@ class LocalSource:
         if why is not None:
             raise NotReadable(f"the trainer's tensors cannot be read from this rank: {why}")
         try:
-            return same_node.read(self.meta, targets, device, copy, self.fence)
+            return same_node.read(self.meta, targets, device, copy)
         except MappingFailed as e:
             raise NotReadable(f"the trainer's tensors cannot be read from this rank: {e}") from e
 

@@ -193,9 +193,11 @@ class WeightSyncClient:
             steps = plan.plan(named_tensors)  # grouped as update() will group them: its layouts are prepared
             if plan.in_place:
                 self._prepare_direct(steps, plan.rank_groups)
-            else:
+            elif not plan.push:
                 self.sender.prepare(plan.slot_bytes, self.ranks)
-        elif not route.direct:  # every update is gathered into the slots: make them now
+        elif not route.direct and not (self.export != "buckets" and all(
+                getattr(self.lanes.link(r.index), "writable", False) for r in self.ranks)):
+            # every update is gathered into the slots: make them now
             self.sender.prepare(self.slot_bytes_for_any_update(self.bucket_bytes) or self.bucket_bytes, self.ranks)
         # (a direct route reserves nothing here: the first update that gathers makes the slots)
         return out

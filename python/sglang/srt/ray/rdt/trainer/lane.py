@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from sglang.srt.ray.rdt.errors import WeightSyncError
 from sglang.srt.ray.rdt.lane_wire import FRAME_TIMEOUT_S, ID_BYTES, recv_frame, send_frame
-from sglang.srt.ray.rdt.transport import cma, same_node
+from sglang.srt.ray.rdt.transport import same_node
 from sglang.srt.ray.rdt.transport.cma import LIVENESS_CHECK_S, pid_alive
 
 logger = logging.getLogger(__name__)
@@ -64,14 +64,12 @@ class LaneCall:
 
 
 class RankLink:
-    """The trainer's connection to one rank's lane. ``fence``: the rank's CUDA event that a fenced pull's copy
-    records (None: pulls answer once copied); ``writable``: the rank's parameters are on this process's GPU (or
-    both on the host), so it may grant their writes here."""
+    """The trainer's connection to one rank's lane. ``writable``: the rank's parameters are on this process's GPU
+    (or both on the host): this process writes them itself, the rank grants them."""
 
-    def __init__(self, address: str, secret: bytes, pid: int, sender: str, fence=None, writable: bool = False):
+    def __init__(self, address: str, secret: bytes, pid: int, sender: str, writable: bool = False):
         self.address, self._secret, self.pid = address, secret, int(pid)
-        self.fence = fence
-        self.writable = writable  # this process may write the rank's parameters itself (its device is ours)
+        self.writable = writable
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.settimeout(FRAME_TIMEOUT_S)  # connect, and a frame once started
@@ -132,22 +130,9 @@ class RankLink:
                 raise RankGone(f"the rank's process (pid {self.pid}) exited during the call")
         return self._early.pop(req_id)
 
-    def wait_fence(self, deadline: float) -> float:
-        """Wait until the rank's last fenced copy is done; returns the seconds waited."""
-        try:
-            return wait_for_event(self.fence, self.pid, deadline)
-        except RankGone:
-            self.broken = True
-            raise
-
     def close(self) -> None:
         self.broken = True
         self._sock.close()
-
-
-def wait_for_event(event, pid: int, deadline: float) -> float:
-    """Wait until the rank's copy recorded ``event``: :class:`RankGone` when its process exits first."""
-    return cma.wait_for_event(event, pid, deadline, "the rank", "copy", RankGone)
 
 
 class Lanes:
@@ -184,10 +169,8 @@ class Lanes:
                     logger.warning("[RDT] %s cannot read this process's memory (%s); its pulls go "
                                    "through Ray", r.label(), info["unreadable"])
                 elif info.get("node_id") == here:
-                    fence = _open_fence(info.get("fence"), probe.device)
-                    host = probe.device.type == info.get("device") == "cpu"
-                    self.links[r.index] = RankLink(info["address"], info["secret"], info["pid"], token, fence,
-                                                   writable=host or fence is not None)
+                    self.links[r.index] = RankLink(info["address"], info["secret"], info["pid"], token,
+                                                   writable=_same_device(info.get("device"), probe.device))
             except Exception as e:
                 logger.warning("[RDT] no call lane to %s (%s: %s); its pulls go through Ray",
                                r.label(), type(e).__name__, str(e).splitlines()[0][:200])
@@ -199,11 +182,9 @@ class Lanes:
         return None if link is None or link.broken else link
 
     def pull(self, rank: int, group, meta, timeout: Optional[float], prepare: bool = False,
-             fence: bool = False, op: str = "pull") -> LaneCall:
+             op: str = "pull") -> LaneCall:
         """Send ``rank`` a pull of ``meta`` (``group``'s same-node description). The layout and a kept description
-        go along only the first time this lane sees them; later pulls name their ids. ``fence``: the rank may
-        answer once its copy is queued; the caller must :meth:`RankLink.wait_fence` before it lets go of the tensors.
-        ``op="grant"`` (``meta`` None): the rank answers with its targets for this process to write (a
+        go along only the first time this lane sees them; later pulls name their ids. ``op="grant"`` (``meta`` None): the rank answers with its targets for this process to write (a
         ``"pushed"`` request says how that went)."""
         link = self.links[rank]
         first = group.layout not in link.defined
@@ -212,8 +193,7 @@ class Lanes:
         call = link.send("prepare" if prepare else op, {
             "layout": group.layout, "names": list(group.names) if first else None,
             "specs": group.specs() if first else None, "timeout": timeout,
-            "source": None if known else meta, "source_id": kept,
-            "fence": fence and link.fence is not None})
+            "source": None if known else meta, "source_id": kept})
         call.defines = group.layout if first else None
         call.defines_source = 0 if known else kept
         return call
@@ -235,19 +215,10 @@ class Lanes:
         self.opened = False
 
 
-def _open_fence(info: Optional[Dict[str, Any]], device):
-    """The rank's fence event opened here, or None: off CUDA, a rank on another GPU than ``device`` (only a
-    rank on the trainer's GPU fences its reads), or the driver refused."""
-    if not info or device.type != "cuda":
-        return None
-    try:
-        import torch
+def _same_device(rank_device: Optional[str], device) -> bool:
+    """Whether a rank on ``rank_device`` (``"cpu"`` or its GPU's UUID) holds its parameters on ``device``."""
+    if device.type != "cuda":
+        return rank_device == "cpu"
+    from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
 
-        from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
-
-        if device_uuid(device.index) != info["gpu"]:
-            return None
-        return torch.cuda.Event.from_ipc_handle(device.index, info["handle"])
-    except Exception as e:  # its pulls answer once copied, as without a fence
-        logger.info("[RDT] the rank's fence event cannot be opened here (%s: %s)", type(e).__name__, e)
-        return None
+    return rank_device == device_uuid(device.index)

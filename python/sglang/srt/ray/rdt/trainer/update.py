@@ -108,9 +108,12 @@ class Update:
         self.sent = [set() for _ in self.rank_groups]
         if not self.stream:  # (each mapping looked at once)
             payloads = [buckets.whole(p) for p in payloads]
-            self.in_place = self.route.direct and all(readable_in_place(p, c.device_obj) for p in payloads)
-        self.push = not self.in_place and c.export != "buckets" and all(
+        # one rule: ranks on this process's device are written by it; the others read kept memory in place
+        self.push = c.export != "buckets" and all(
             getattr(c.lanes.link(r), "writable", False) for rg in self.rank_groups for r in rg)
+        if not self.stream:
+            self.in_place = not self.push and self.route.direct and all(
+                readable_in_place(p, c.device_obj) for p in payloads)
         self.group_bytes = group_bytes_for(self.in_place or (self.stream and self.route.direct) or self.push,
                                            self.bucket_bytes, self.stream)
         steps = buckets.steps(payloads, self.rank_groups, self.group_bytes)
@@ -144,7 +147,7 @@ class Update:
                 self._check(step)
             self._send(step)
         while self.flights:
-            self._land(self.flights.popleft(), last=not self.flights)
+            self._land(self.flights.popleft())
 
     def _room(self) -> bool:
         """Whether the next step may be sent before another lands: in place, always; gathered, while a slot is
@@ -162,7 +165,7 @@ class Update:
         if self.t_first is None:
             self.t_first = time.perf_counter()
         t0 = time.perf_counter()
-        if self.in_place or (self.stream and self.route.direct and all(
+        if self.in_place or (self.stream and self.route.direct and not self.push and all(
                 readable_in_place(g, c.device_obj) for _, g in step)):
             flight = self._describe(index, step)
         else:
@@ -174,8 +177,8 @@ class Update:
         for (rg, group), (ref, meta) in zip(step, flight.sources):
             for r in self.rank_groups[rg]:
                 try:
-                    if r in self.route.lanes:  # it may answer once its copy is queued: _land waits on its fence
-                        call = c.lanes.pull(r, group, meta, c.pull_timeout_s, fence=True)
+                    if r in self.route.lanes:
+                        call = c.lanes.pull(r, group, meta, c.pull_timeout_s)
                         self.lane_calls += 1
                     else:
                         call = c.ranks[r].actor.pull_weights.remote([ref], group.names, c.pull_timeout_s)
@@ -271,17 +274,11 @@ class Update:
             group.tensors = []  # copied: the trainer's tensors are not read again
         return flight
 
-    def _land(self, flight: Flight, last: bool = False) -> None:
+    def _land(self, flight: Flight) -> None:
         c = self.client
         try:
             results = c.gather(flight.calls, f"pull of step {flight.index + 1}", self.wait_s)
             received_at = time.perf_counter()
-            # fenced: the ranks' copies may still read the trainer's memory
-            fenced = [r for r, call in flight.calls if isinstance(call, LaneCall) and results[r].get("fenced")]
-            if last and fenced:  # the end overlaps the copy: a rank's scheduler settles its copy before anything else
-                self._finish()
-            deadline = time.monotonic() + self.wait_s
-            fence_s = max((self._wait_fence(r, deadline, flight) for r in fenced), default=None)
         except BaseException:
             self.flights.appendleft(flight)  # settled (and its slot freed) with the others
             raise
@@ -305,8 +302,6 @@ class Update:
             stats.rank_timing = {**(res.get("timing") or {}),
                                  "copy_seconds": sum(r.get("copy_seconds", 0.0) for r in res.get("reads", ())),
                                  "plan_seconds": res.get("plan_seconds", 0.0)}
-        if fence_s is not None:
-            stats.rank_timing["fence_seconds"] = fence_s
         if flight.slot is not None:  # every rank read it: it may be filled again
             c.sender.call("release", flight.slot, flight.token)
         flight.step = []  # the trainer's tensors (direct) are let go here
@@ -316,13 +311,6 @@ class Update:
                 self.progress(stats, len(self.steps_done), self.total)
             except Exception as e:  # a display bug must not abort an update
                 logger.warning("[RDT] progress callback failed: %s", e)
-
-    def _wait_fence(self, r: int, deadline: float, flight: Flight) -> float:
-        try:
-            return self.client.lanes.links[r].wait_fence(deadline)
-        except Exception as e:  # (the rank died, or its copy did not end in time)
-            raise WeightSyncRankError(r, self.client.ranks[r].name, f"copy of step {flight.index + 1}", e,
-                                      [(r, e)]) from e
 
     def _finish(self) -> None:
         c = self.client
@@ -335,24 +323,15 @@ class Update:
         self.end_seconds = time.perf_counter() - t0
 
     def _settle(self) -> Optional[str]:
-        """After a failure: wait (bounded) for pulls and fenced copies still reading and free the slots no pull
+        """After a failure: wait (bounded) for pulls still reading and free the slots no pull
         reads (the others go to ``client.stuck``). Returns what may still read the trainer's memory, if anything."""
         c = self.client
         deadline = time.monotonic() + self.wait_s  # one bound for every flight
-        lanes, still = set(), []
+        still = []
         for flight in self.flights:
             settle(flight.calls, max(0.0, deadline - time.monotonic()))
-            lanes.update(r for r, call in flight.calls if isinstance(call, LaneCall))
             if unfinished(flight.calls):
                 still.append(flight.index + 1)
-        for r in sorted(lanes):  # a fenced copy may run on after its pull answered
-            link = c.lanes.link(r)
-            if link is not None and link.fence is not None:
-                try:
-                    link.wait_fence(deadline)
-                except Exception as e:
-                    logger.error("[RDT] %s: its last copy could not be waited for: %s", c.labels[r], e)
-                    still.append(f"the copy of {c.labels[r]}")
         for flight in self.flights:
             if flight.slot is None:
                 continue

@@ -26,8 +26,6 @@ Copy = Tuple[int, int, int]  # (local destination, remote source, nbytes)
 WRITE_BATCH_BYTES = 256 << 20
 # How often a wait looks whether the other process still exists.
 LIVENESS_CHECK_S = 0.25
-# A CUDA event (a copy of milliseconds) is polled without a pause this long, then every EVENT_NAP_S.
-EVENT_SPIN_S, EVENT_NAP_S = 0.05, 0.0005
 
 
 class CmaError(RuntimeError):
@@ -83,28 +81,6 @@ def pid_alive(pid: int) -> bool:
         return True
     state = proc_stat_fields(f"/proc/{pid}/stat")
     return state is None or state[0] not in (b"Z", b"X")
-
-
-def wait_for_event(event, pid: int, deadline: float, who: str, what: str, gone=ProcessLookupError) -> float:
-    """Wait until ``event`` (a CUDA event recorded after ``who``'s ``what``, in process ``pid``) completed; returns
-    the seconds waited. ``gone`` when ``pid`` exits first, ``TimeoutError`` past ``deadline`` (monotonic)."""
-    t0 = time.monotonic()
-    look = t0 + LIVENESS_CHECK_S
-    while not event.query():
-        now = time.monotonic()
-        if now > deadline:
-            raise TimeoutError(f"{who}'s {what} (pid {pid}) did not finish within the timeout")
-        if now > look:
-            if not pid_alive(pid):
-                break
-            look = now + LIVENESS_CHECK_S
-        if now - t0 < EVENT_SPIN_S:
-            os.sched_yield()
-        else:
-            time.sleep(EVENT_NAP_S)
-    if not pid_alive(pid):  # (an event of a process gone may read as complete)
-        raise gone(f"{who}'s process (pid {pid}) exited during its {what}")
-    return time.monotonic() - t0
 
 
 def describe_errno(err: int) -> str:

@@ -3,10 +3,8 @@
 Only *kept memory* (the staging pool, buffers registered with NIXL, a rank's parameters it granted a writer) is
 mapped by another process; other tensors are refused (:class:`NotKept`). The exporter checks its table again whenever
 the device freed memory: a segment allocated anew gets a new handle. A reader keeps each segment mapped until the
-sender releases it or exits (closed within :data:`WATCH_S`). The sender synchronises before a read; the reader
-synchronises its copy on the host unless the read is *fenced*: then the sender waits on the reader's event before
-reusing the memory, and the reader settles the copy before its next work. A writer (:meth:`CudaIpcReader.mapped`)
-maps a rank's parameters the same way and writes them itself.
+sender releases it or exits (closed within :data:`WATCH_S`). The sender synchronises before a read, the reader
+after its copy. A writer (:meth:`CudaIpcReader.mapped`) maps a rank's parameters the same way and writes them itself.
 """
 
 from __future__ import annotations
@@ -195,33 +193,7 @@ class CudaIpcReader:
         self._resolved: Dict[int, tuple] = {}
         self._gen = 0
         self._no_kernel: Optional[str] = None
-        self._fences: Dict[int, torch.cuda.Event] = {}  # ordinal -> this reader's event
-        self._unsettled: Optional[torch.cuda.Event] = None  # a fenced copy not yet waited for here
         self._watch: Optional[threading.Thread] = None
-
-    def fence(self, ordinal: int) -> torch.cuda.Event:
-        """The inter-process event fenced reads on GPU ``ordinal`` record after their copy (made once)."""
-        with self.lock:
-            return self._fence_locked(ordinal)
-
-    def _fence_locked(self, ordinal: int) -> torch.cuda.Event:
-        ev = self._fences.get(ordinal)
-        if ev is None:
-            with torch.cuda.device(ordinal):
-                ev = torch.cuda.Event(interprocess=True)
-                ev.record(torch.cuda.current_stream(ordinal))  # (created on this device now)
-            self._fences[ordinal] = ev
-        return ev
-
-    def settle(self) -> None:
-        """Wait for a fenced copy still running."""
-        with self.lock:
-            self._settle_locked()
-
-    def _settle_locked(self) -> None:
-        ev, self._unsettled = self._unsettled, None
-        if ev is not None:
-            ev.synchronize()
 
     def ordinal(self, uuid_str: str) -> Optional[int]:
         if uuid_str not in self._ordinals:
@@ -241,10 +213,9 @@ class CudaIpcReader:
             return f"target buffers on {device}"
         return None
 
-    def read(self, part: IpcPart, targets: Targets, device, copy: bool = True, fence: bool = False) -> ReadResult:
-        """Copy ``part``'s tensors into ``targets`` on ``device`` (``copy=False``: only map and make the kernel table;
-        ``fence``: return with the copy queued and this reader's event recorded after it). Raises
-        :class:`MappingFailed`, before any byte moved, when a segment cannot be mapped."""
+    def read(self, part: IpcPart, targets: Targets, device, copy: bool = True) -> ReadResult:
+        """Copy ``part``'s tensors into ``targets`` on ``device`` and wait for it (``copy=False``: only map and make
+        the kernel table). Raises :class:`MappingFailed`, before any byte moved, when a segment cannot be mapped."""
         t0 = time.perf_counter()
         targets.check(part.nbytes)
         dst_ord = device.index if device.index is not None else torch.cuda.current_device()
@@ -252,17 +223,11 @@ class CudaIpcReader:
         res = ReadResult("cuda_ipc", len(targets.tensors), int(part.nbytes.sum()), 0.0)
         stream = torch.cuda.current_stream(dst_ord)
         with self.lock, cuda_driver.pushed(cuda_driver.driver(), dst_ord) as drv:
-            self._settle_locked()
             src = self._sources(drv, part, dst_ord, res, copy)
             if copy and len(targets.tensors):
                 t1 = time.perf_counter()
                 res.method = self._copy(drv, targets, src, part.nbytes, src_ord, dst_ord)
-                if fence:
-                    ev = self._fence_locked(dst_ord)
-                    ev.record(stream)
-                    self._unsettled, res.fenced = ev, True
-                else:
-                    stream.synchronize()
+                stream.synchronize()
                 res.copy_seconds = time.perf_counter() - t1
             elif len(targets.tensors) and src_ord == dst_ord:
                 kernel = self._kernel(dst_ord)
@@ -379,7 +344,6 @@ class CudaIpcReader:
         return table
 
     def _close(self, drv, ptr: int) -> None:
-        self._settle_locked()  # a fenced copy may still read it
         try:
             drv.ipc_close(ptr)
         except CudaDriverError as e:  # pragma: no cover - best effort

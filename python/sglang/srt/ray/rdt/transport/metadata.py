@@ -75,8 +75,7 @@ class ReadResult:
     method: str = ""  # how the bytes moved: kernel | batch | ce | process_vm_readv | nixl
     opened: int = 0  # CUDA IPC mappings opened for this read (kept after it)
     reused: int = 0  # mappings found open
-    copy_seconds: float = 0.0  # (a fenced read: queuing the copy)
-    fenced: bool = False  # the copy may still run: see cuda_ipc.CudaIpcReader.fence
+    copy_seconds: float = 0.0
 
     @property
     def label(self) -> str:

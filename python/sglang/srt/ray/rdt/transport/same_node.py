@@ -16,7 +16,7 @@ from sglang.srt.ray.rdt.transport.cma import CmaPath, export_cma
 from sglang.srt.ray.rdt.transport.cuda_ipc import CudaIpcExporter, CudaIpcReader, KeptSource, NotKept
 from sglang.srt.ray.rdt.transport.metadata import MappingFailed, ReadResult, SglangIpcTransportMetadata, Targets
 
-__all__ = ["Targets", "export", "kept_mask", "keep", "NotKept", "read", "fence", "settle", "unusable", "release",
+__all__ = ["Targets", "export", "kept_mask", "keep", "NotKept", "read", "writable", "mapped", "unusable", "release",
            "token", "node_id", "reach"]
 
 logger = logging.getLogger(__name__)
@@ -164,34 +164,21 @@ def unusable(meta: SglangIpcTransportMetadata, device) -> Optional[str]:
     return meta.ipc_unavailable or "the sender put no same-node part"
 
 
-def read(meta: SglangIpcTransportMetadata, targets: Targets, device, copy: bool = True,
-         fence: bool = False) -> ReadResult:
-    """Read ``meta``'s tensors into ``targets`` (call :func:`unusable` first). ``fence``: a GPU read may return with
-    its copy running (the sender waits on :func:`fence`'s event; call :func:`settle` before the next work). Raises
+def read(meta: SglangIpcTransportMetadata, targets: Targets, device, copy: bool = True) -> ReadResult:
+    """Read ``meta``'s tensors into ``targets`` (call :func:`unusable` first). Raises
     :class:`~.metadata.MappingFailed` when refused before any byte moved; any other error: bytes may have landed."""
     _, ipc, cma = _parts()
     if meta.cma is not None:
         return cma.read(meta.cma, targets, copy)
-    return ipc.read(meta.ipc, targets, device, copy, fence)
+    return ipc.read(meta.ipc, targets, device, copy)
 
 
-def fence(device) -> Optional[Dict[str, Any]]:
-    """``{"handle": event IPC handle, "gpu": UUID}`` a sender waits on for fenced reads into ``device``, or None."""
-    if device is None or device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    ordinal = device.index if device.index is not None else torch.cuda.current_device()
-    try:
-        event = _parts()[1].fence(ordinal)
-        return {"handle": event.ipc_handle(), "gpu": cuda_driver.device_uuid(ordinal)}
-    except Exception as e:  # the reads then synchronise here, as before
-        logger.info("[RDT] no inter-process event for fenced reads: %s", e)
-        return None
-
-
-def settle() -> None:
-    """Wait for this process's fenced copy still running, if any."""
-    if _ipc_reader is not None:
-        _ipc_reader.settle()
+def device_id(device) -> str:
+    """``"cpu"``, or the UUID of the GPU of ``device`` (a writer on this node writes a rank's parameters only on
+    its own device)."""
+    if device is None or device.type != "cuda":
+        return "cpu"
+    return cuda_driver.device_uuid(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def release(sender: Optional[str] = None, gone_only: bool = False) -> int:

@@ -152,9 +152,9 @@ class Update:
     def _room(self) -> bool:
         """Whether the next step may be sent before another lands: in place, always; gathered, while a slot is
         free; an iterator, while its bytes in flight and the next group stay within two buckets."""
-        if self.in_place or (self.push and not self.stream):
+        if self.in_place:
             return True
-        if not self.stream:
+        if not self.stream or self.push:  # (a write is done when sent: one confirmation in flight)
             return len(self.flights) < 2
         return self.held + self.group_bytes <= 2 * self.bucket_bytes
 

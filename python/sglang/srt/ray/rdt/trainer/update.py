@@ -64,6 +64,7 @@ class Update:
     written: int = 0  # bytes this process wrote into the ranks' parameters itself
     in_place: bool = False  # a mapping: read where it is (every tensor in kept memory)
     push: bool = False  # else: written by this process straight into the ranks' parameters (their device is ours)
+    write_all: bool = False  # every step written (the ranks are on this process's GPU)
     ended: bool = False  # the session's end was called
     moved_bytes: int = 0
     t_first: Optional[float] = None
@@ -108,12 +109,15 @@ class Update:
         self.sent = [set() for _ in self.rank_groups]
         if not self.stream:  # (each mapping looked at once)
             payloads = [buckets.whole(p) for p in payloads]
-        # one rule: ranks on this process's device are written by it; the others read kept memory in place
-        self.push = c.export != "buckets" and all(
+        # Ranks on this process's GPU are written by it; others read kept memory in place. On the host, ranks read
+        # what they can in place and the rest is written.
+        writable = c.export != "buckets" and all(
             getattr(c.lanes.link(r), "writable", False) for rg in self.rank_groups for r in rg)
+        self.write_all = writable and c.device_obj.type == "cuda"
         if not self.stream:
-            self.in_place = not self.push and self.route.direct and all(
+            self.in_place = not self.write_all and self.route.direct and all(
                 readable_in_place(p, c.device_obj) for p in payloads)
+        self.push = writable and not self.in_place
         self.group_bytes = group_bytes_for(self.in_place or (self.stream and self.route.direct) or self.push,
                                            self.bucket_bytes, self.stream)
         steps = buckets.steps(payloads, self.rank_groups, self.group_bytes)
@@ -154,7 +158,7 @@ class Update:
         free; an iterator, while its bytes in flight and the next group stay within two buckets."""
         if self.in_place:
             return True
-        if not self.stream or self.push:  # (a write is done when sent: one confirmation in flight)
+        if not self.stream or self.write_all:  # (a write is done when sent: one confirmation in flight)
             return len(self.flights) < 2
         return self.held + self.group_bytes <= 2 * self.bucket_bytes
 
@@ -165,7 +169,7 @@ class Update:
         if self.t_first is None:
             self.t_first = time.perf_counter()
         t0 = time.perf_counter()
-        if self.in_place or (self.stream and self.route.direct and not self.push and all(
+        if self.in_place or (self.stream and self.route.direct and not self.write_all and all(
                 readable_in_place(g, c.device_obj) for _, g in step)):
             flight = self._describe(index, step)
         else:
@@ -236,7 +240,7 @@ class Update:
         if not isinstance(e, NotWritable):
             raise WeightSyncRankError(r, c.ranks[r].name, f"{phase} of step {index + 1}", e, [(r, e)]) from e
         logger.warning("[RDT] %s: its steps go through the bucket slots (%s)", c.labels[r], str(e)[:300])
-        c.lanes.links[r].writable = self.push = False
+        c.lanes.links[r].writable = self.push = self.write_all = False
         return None
 
     def _describe(self, index: int, step) -> Flight:

@@ -40,6 +40,11 @@ class Flight:
     token: str = ""
     held_bytes: int = 0  # direct: the trainer's bytes the ranks read in place
     sources: List[Tuple[Any, Any]] = field(default_factory=list)  # per region: (ref, description)
+    writes: List[tuple] = field(default_factory=list)  # written here, not yet confirmed: (rank, group, grant, ...)
+
+
+class _Replan(Exception):
+    """A rank cannot be written from here; nothing moved: the mapping is planned again without writes."""
 
 
 @dataclass
@@ -64,7 +69,6 @@ class Update:
     written: int = 0  # bytes this process wrote into the ranks' parameters itself
     in_place: bool = False  # a mapping: read where it is (every tensor in kept memory)
     push: bool = False  # else: written by this process straight into the ranks' parameters (their device is ours)
-    write_all: bool = False  # every step written (the ranks are on this process's GPU)
     ended: bool = False  # the session's end was called
     moved_bytes: int = 0
     t_first: Optional[float] = None
@@ -86,7 +90,10 @@ class Update:
         if not self.stream:
             self.plan_seconds = time.perf_counter() - t0
         try:
-            self._transfer(iter(steps))
+            try:
+                self._transfer(iter(steps))
+            except _Replan:
+                self._transfer(iter(self.plan(named)))
             if not self.ended:
                 self._finish()
         except BaseException as e:
@@ -109,15 +116,11 @@ class Update:
         self.sent = [set() for _ in self.rank_groups]
         if not self.stream:  # (each mapping looked at once)
             payloads = [buckets.whole(p) for p in payloads]
-        # Ranks on this process's GPU are written by it; others read kept memory in place. On the host, ranks read
-        # what they can in place and the rest is written.
-        writable = c.export != "buckets" and all(
-            getattr(c.lanes.link(r), "writable", False) for rg in self.rank_groups for r in rg)
-        self.write_all = writable and c.device_obj.type == "cuda"
         if not self.stream:
-            self.in_place = not self.write_all and self.route.direct and all(
-                readable_in_place(p, c.device_obj) for p in payloads)
-        self.push = writable and not self.in_place
+            self.in_place = self.route.direct and all(readable_in_place(p, c.device_obj) for p in payloads)
+        # what ranks cannot read in place, this process writes into them when they are on its own device
+        self.push = not self.in_place and c.export != "buckets" and all(
+            getattr(c.lanes.link(r), "writable", False) for rg in self.rank_groups for r in rg)
         self.group_bytes = group_bytes_for(self.in_place or (self.stream and self.route.direct) or self.push,
                                            self.bucket_bytes, self.stream)
         steps = buckets.steps(payloads, self.rank_groups, self.group_bytes)
@@ -158,7 +161,7 @@ class Update:
         free; an iterator, while its bytes in flight and the next group stay within two buckets."""
         if self.in_place:
             return True
-        if not self.stream or self.write_all:  # (a write is done when sent: one confirmation in flight)
+        if not self.stream:
             return len(self.flights) < 2
         return self.held + self.group_bytes <= 2 * self.bucket_bytes
 
@@ -169,7 +172,7 @@ class Update:
         if self.t_first is None:
             self.t_first = time.perf_counter()
         t0 = time.perf_counter()
-        if self.in_place or (self.stream and self.route.direct and not self.write_all and all(
+        if self.in_place or (self.stream and self.route.direct and all(
                 readable_in_place(g, c.device_obj) for _, g in step)):
             flight = self._describe(index, step)
         else:
@@ -201,47 +204,64 @@ class Update:
 
     def _push(self, index: int, step) -> Optional[Flight]:
         """Write the step straight into its ranks' parameters (one copy): every rank grants its targets after the
-        checks of a pull, then this process writes them and says how it went. None: a rank cannot be written from
-        here (nothing written; its steps go through the slots from now on)."""
+        checks of a pull, then this process queues its writes; the step lands once they are done and confirmed
+        (:meth:`_confirm`). None: a rank cannot be written from here (nothing written; the slots take over)."""
         c = self.client
         self._begin()
         grants = [(r, g, c.lanes.pull(r, g, None, c.pull_timeout_s, op="grant"))
                   for rg, g in step for r in self.rank_groups[rg]]
-        flight, error, outs = Flight(index, step, [], 0.0), None, []
+        flight, error = Flight(index, step, [], 0.0), None
         self.lane_calls += 2 * len(grants)  # (each answered by a "pushed")
         for r, g, call in grants:
             try:
-                outs.append((r, g, call.result(self.wait_s)))
+                out = call.result(self.wait_s)
                 c.lanes.defined(r, call)
             except Exception as e:  # (every grant is answered before anything is written)
                 error = error or (r, e, "pull")
-        for r, g, out in outs:
-            t0, outcome, path = time.perf_counter(), "none", "write"
+                continue
+            outcome, path = "none", "write"
             try:
                 if error is None:
                     outcome = "broken"
-                    path = write_into(out["targets"], g, c.device_obj)
-                    outcome = "done"
+                    path, outcome = write_into(out["targets"], g, c.device_obj), "done"
             except MappingFailed as e:
                 outcome, error = "none", (r, NotWritable(f"{c.labels[r]}: {e}"), "write")
             except BaseException as e:
                 error = error or (r, e, "write")
-            finally:
-                flight.calls.append((r, c.lanes.links[r].send("pushed", {
-                    "grant": out["grant"], "outcome": outcome, "transport": path, "tensors": len(g.names),
-                    "bytes": g.nbytes, "seconds": time.perf_counter() - t0})))
+            flight.writes.append((r, g, out["grant"], outcome, path))
+        flight.held_bytes = sum(g.nbytes for _, g in step)
+        self.held += flight.held_bytes
+        self.max_held = max(self.max_held, self.held)
         if error is None:
-            for _, g in step:
-                self.written += g.nbytes
-                g.tensors = []  # written: not read again
+            self.written += flight.held_bytes
             return flight
-        r, e, phase = error
+        self.held -= flight.held_bytes
+        self._confirm(flight)
         settle(flight.calls, self.wait_s)  # (the ranks recorded every outcome before the slots take over)
+        r, e, phase = error
         if not isinstance(e, NotWritable):
             raise WeightSyncRankError(r, c.ranks[r].name, f"{phase} of step {index + 1}", e, [(r, e)]) from e
         logger.warning("[RDT] %s: its steps go through the bucket slots (%s)", c.labels[r], str(e)[:300])
-        c.lanes.links[r].writable = self.push = self.write_all = False
+        c.lanes.links[r].writable = self.push = False
+        if not self.stream:
+            raise _Replan()  # (a mapping's one step: cut again for the slots)
         return None
+
+    def _confirm(self, flight: Flight) -> None:
+        """Wait until the flight's queued writes are done, then tell each rank how its write went."""
+        c, writes, flight.writes = self.client, flight.writes, []
+        t0 = time.perf_counter()
+        try:
+            if c.device_obj.type == "cuda":
+                torch.cuda.current_stream(c.device_obj).synchronize()
+        except BaseException:
+            writes = [(r, g, grant, "broken" if o == "done" else o, p) for r, g, grant, o, p in writes]
+            raise
+        finally:
+            for r, g, grant, outcome, path in writes:
+                flight.calls.append((r, c.lanes.links[r].send("pushed", {
+                    "grant": grant, "outcome": outcome, "transport": path, "tensors": len(g.names),
+                    "bytes": g.nbytes, "seconds": time.perf_counter() - t0})))
 
     def _describe(self, index: int, step) -> Flight:
         """Kept memory: describe the trainer's own tensors where they are."""
@@ -281,6 +301,8 @@ class Update:
     def _land(self, flight: Flight) -> None:
         c = self.client
         try:
+            if flight.writes:
+                self._confirm(flight)
             results = c.gather(flight.calls, f"pull of step {flight.index + 1}", self.wait_s)
             received_at = time.perf_counter()
         except BaseException:
@@ -333,6 +355,11 @@ class Update:
         deadline = time.monotonic() + self.wait_s  # one bound for every flight
         still = []
         for flight in self.flights:
+            if flight.writes:  # (its memory is read until the writes are done)
+                try:
+                    self._confirm(flight)
+                except Exception as e:
+                    logger.error("[RDT] the writes of step %d did not complete: %s", flight.index + 1, e)
             settle(flight.calls, max(0.0, deadline - time.monotonic()))
             if unfinished(flight.calls):
                 still.append(flight.index + 1)

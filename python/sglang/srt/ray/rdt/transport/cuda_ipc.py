@@ -194,6 +194,7 @@ class CudaIpcReader:
         self._gen = 0
         self._no_kernel: Optional[str] = None
         self._watch: Optional[threading.Thread] = None
+        self._writes: Optional[torch.cuda.Event] = None  # recorded after the last writes queued (mapped)
 
     def ordinal(self, uuid_str: str) -> Optional[int]:
         if uuid_str not in self._ordinals:
@@ -239,10 +240,13 @@ class CudaIpcReader:
 
     @contextlib.contextmanager
     def mapped(self, part: IpcPart, ordinal: int):
-        """The addresses here of ``part``'s tensors (kept mapped), held open while the block writes them."""
+        """The addresses here of ``part``'s tensors (kept mapped) for the block to queue its writes; no mapping is
+        closed before they are done."""
         res = ReadResult("cuda_ipc", len(part.nbytes), int(part.nbytes.sum()), 0.0)
         with self.lock, cuda_driver.pushed(cuda_driver.driver(), ordinal) as drv:
             yield self._sources(drv, part, ordinal, res, True)
+            self._writes = torch.cuda.Event()
+            self._writes.record(torch.cuda.current_stream(ordinal))
 
     def _sources(self, drv, part: IpcPart, ordinal: int, res: ReadResult, copy: bool) -> np.ndarray:
         hit = self._resolved.get(id(part))
@@ -344,6 +348,8 @@ class CudaIpcReader:
         return table
 
     def _close(self, drv, ptr: int) -> None:
+        if self._writes is not None:
+            self._writes.synchronize()  # (queued writes into it)
         try:
             drv.ipc_close(ptr)
         except CudaDriverError as e:  # pragma: no cover - best effort

@@ -45,8 +45,8 @@ def test_bench_pull_cpu_mode_checks_bytes_and_prints_every_mode_with_its_ratio(r
     rows = table(lines, "trainer")
     assert set(rows) == set(MODES), log
     for mode, row in rows.items():
-        # CPU tensors: written by the trainer into the rank's parameters over its lane (process_vm_writev)
-        assert row["path"] == "write (cma write)", (mode, row)
+        # CPU tensors: bucket slots that the rank reads over its lane with process_vm_readv
+        assert row["path"].startswith("buckets (cma, "), (mode, row)  # (how much was gathered)
         assert re.fullmatch(r"[0-9]+\.[0-9] ms", row["whole update"]), (mode, row)
         assert re.fullmatch(r"\*\*[0-9]+\.[0-9]{2}x\*\*", row["ratio"]), (mode, row)
         assert row["bytes"] == "ok", (mode, row)
@@ -70,9 +70,9 @@ def test_bench_pull_cpu_mode_checks_bytes_and_prints_every_mode_with_its_ratio(r
         run = w["client"][mode]
         assert len(run["updates"]) == 2 and all(u["check"]["ok"] for u in run["updates"]), run["updates"]
         for u in run["updates"]:
-            assert (u["path"], u["transport"], u["tensors"]) == ("write", "cma write", 34), u
-            assert u["lane_calls"] == 2 * u["steps"] >= 2, u  # a grant and its confirmation per step (one rank)
-            assert u["gathered_bytes"] == 0, u  # written straight into the rank's parameters: no slot
+            assert (u["path"], u["transport"], u["tensors"]) == ("buckets", "cma", 34), u
+            assert u["lane_calls"] == u["steps"] >= 1, u  # one lane call per step (one rank)
+            assert u["gathered_bytes"] >= u["bytes"], u  # gathered into the slots: nothing read in place
             # the calling thread over update(): CPU time within its wall time, switches counted
             th = u["trainer_thread"]
             assert 0 < th["cpu_seconds"] <= u["seconds"] + 1e-3, (th, u["seconds"])

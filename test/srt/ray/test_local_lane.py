@@ -10,6 +10,7 @@ the lanes a client opens through Ray use real rank actors.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import socket
@@ -378,16 +379,25 @@ def grant(link, group, layout: int = 5):
 
 
 def pushed(link, out, outcome: str, group):
-    return link.send("pushed", {"grant": out["grant"], "outcome": outcome, "transport": "cma write",
+    return link.send("pushed", {"grant": out["grant"], "outcome": outcome, "transport": "direct write",
                                 "tensors": len(group.names), "bytes": group.nbytes, "seconds": 0.01}).result(30)
 
 
-def test_a_granted_write_lands_in_place_and_counts_once_confirmed(rank):
-    """The rank grants its parameters after the checks of a pull; this
-    process writes them (process_vm_writev), and the update counts them once
-    the write is confirmed: every byte in place, the update consistent."""
-    from sglang.srt.ray.rdt.trainer.sender import write_into
+def write_granted(targets, tensors) -> None:
+    """The trainer's write, here where the rank lives: each tensor's bytes at
+    the address the grant names (a trainer on a GPU runs its copy kernel)."""
+    part = targets.cma
+    for t, address, n in zip(tensors, part.address.tolist(), part.nbytes.tolist()):
+        assert t.nbytes == n
+        src = t.contiguous()
+        ctypes.memmove(address, src.data_ptr(), n)
 
+
+def test_a_granted_write_lands_in_place_and_counts_once_confirmed(rank):
+    """The rank grants its parameters after the checks of a pull (described
+    by address for a writer on its own device); the writer writes them, and
+    the update counts them once the write is confirmed: every byte in place,
+    the update consistent."""
     model = rank.model
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     _, link = open_link(rank)
@@ -398,13 +408,13 @@ def test_a_granted_write_lands_in_place_and_counts_once_confirmed(rank):
         out = grant(link, group)
         assert (out["tensors"], out["bytes"]) == (4, group.nbytes) and out["targets"].cma is not None
         assert rank.state.status()["update_in_progress"]["params_written"] == 0  # granted, not written
-        assert write_into(out["targets"], group, torch.device("cpu")) == "cma write"
+        write_granted(out["targets"], list(views.values()))
         assert all(torch.equal(p, w[n]) for n, p in model.named_parameters())
         assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
         assert pushed(link, out, "done", group)["outcome"] == "done"
         done = link.send("finalize", {"weight_version": "w1"}).result(30)
         assert (done["update"]["params_updated"], done["update"]["consistent"]) == (4, True)
-        assert done["update"]["transport"] == "cma write"
+        assert done["update"]["transport"] == "direct write"
     finally:
         link.close()
 

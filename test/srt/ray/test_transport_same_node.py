@@ -160,7 +160,7 @@ def test_cma_resumes_after_partial_reads(monkeypatch):
         calls.append(done)
         return done
 
-    monkeypatch.setattr(cma, "_readv", lambda write=False: stingy_readv)
+    monkeypatch.setattr(cma, "_readv", lambda: stingy_readv)
     base_d, base_s = ctypes.addressof(dst), ctypes.addressof(src)
     copies = [(base_d, base_s, 25), (base_d + 25, base_s + 25, 14), (base_d + 39, base_s + 39, 25)]
     assert cma.read_all(1, copies) == 64
@@ -168,7 +168,7 @@ def test_cma_resumes_after_partial_reads(monkeypatch):
 
 
 def test_cma_read_that_makes_no_progress_fails_instead_of_looping(monkeypatch):
-    monkeypatch.setattr(cma, "_readv", lambda write=False: lambda *a: 0)
+    monkeypatch.setattr(cma, "_readv", lambda: lambda *a: 0)
     with pytest.raises(CmaError, match="no progress after 0 bytes"):
         cma.read_all(1, [(1000, 2000, 64)])
 

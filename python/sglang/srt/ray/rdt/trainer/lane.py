@@ -64,8 +64,8 @@ class LaneCall:
 
 
 class RankLink:
-    """The trainer's connection to one rank's lane. ``writable``: the rank's parameters are on this process's GPU
-    (or both on the host): this process writes them itself, the rank grants them."""
+    """The trainer's connection to one rank's lane. ``writable``: the rank's parameters are on this process's GPU:
+    this process may write them itself, once the rank granted them."""
 
     def __init__(self, address: str, secret: bytes, pid: int, sender: str, writable: bool = False):
         self.address, self._secret, self.pid = address, secret, int(pid)
@@ -216,9 +216,7 @@ class Lanes:
 
 
 def _same_device(rank_device: Optional[str], device) -> bool:
-    """Whether a rank on ``rank_device`` (``"cpu"`` or its GPU's UUID) holds its parameters on ``device``."""
-    if device.type != "cuda":
-        return rank_device == "cpu"
+    """Whether a rank on ``rank_device`` (``"cpu"`` or its GPU's UUID) holds its parameters on GPU ``device``."""
     from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
 
-    return rank_device == device_uuid(device.index)
+    return device.type == "cuda" and rank_device == device_uuid(device.index)

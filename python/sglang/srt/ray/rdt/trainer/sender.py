@@ -207,16 +207,13 @@ def gather(device: torch.device, dst: np.ndarray, group) -> None:
 
 
 def write_into(meta, group, device: torch.device) -> str:
-    """Write ``group`` straight into another process's tensors that ``meta`` describes (a rank granted its
-    parameters), one copy; returns its path. On a GPU the copy is queued on the current stream: the caller waits
-    for it before it says the write is done. MappingFailed: refused before any byte moved."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the trainer's queued work on its tensors
-        with same_node.mapped(meta, device) as dst:
-            gather(device, dst, group)
-        return "cuda_ipc write"
-    same_node.write_host(meta, group.tensors)
-    return "cma write"
+    """Write ``group`` straight into the tensors on this process's GPU ``device`` of another process that ``meta``
+    describes (a rank granted its parameters): one copy, queued on the current stream (the caller waits for it
+    before it says the write is done). MappingFailed: refused before any byte moved."""
+    torch.cuda.synchronize(device)  # the trainer's queued work on its tensors
+    with same_node.mapped(meta, device) as dst:
+        gather(device, dst, group)
+    return "cuda_ipc write"
 
 
 class SenderLink:

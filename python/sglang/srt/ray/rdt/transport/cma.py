@@ -1,5 +1,4 @@
-"""Cross-memory attach: host-memory tensors copied out of, or into, another process on this host
-(``process_vm_readv`` / ``process_vm_writev``).
+"""Cross-memory attach: host-memory tensors copied out of another process on this host (``process_vm_readv``).
 
 Needs ptrace rights over the sender; a one-byte probe finds a refusal before any byte moves (NIXL then serves the
 read). Every read checks the sender's start time before and after copying (a pid can be reused).
@@ -16,14 +15,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from sglang.srt.ray.rdt.transport.metadata import CmaPart, MappingFailed, ReadResult, addresses
+from sglang.srt.ray.rdt.transport.metadata import CmaPart, MappingFailed, ReadResult
 
 # Linux caps one call at IOV_MAX (1024) iovecs per side.
 IOV_MAX = 1024
 
 Copy = Tuple[int, int, int]  # (local destination, remote source, nbytes)
-# A write makes at most this many bytes of non-contiguous tensors contiguous at once.
-WRITE_BATCH_BYTES = 256 << 20
 # How often a wait looks whether the other process still exists.
 LIVENESS_CHECK_S = 0.25
 
@@ -38,20 +35,20 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
-_libc: dict = {}
+_libc = None
 _libc_lock = threading.Lock()  # loading libc once
 
 
-def _readv(write: bool = False):
-    """``process_vm_readv`` (``write``: ``process_vm_writev``, same arguments with the data flowing out)."""
+def _readv():
+    global _libc
     with _libc_lock:
-        if write not in _libc:
-            fn = getattr(ctypes.CDLL(None, use_errno=True), "process_vm_writev" if write else "process_vm_readv")
+        if _libc is None:
+            fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
             fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
                            ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
             fn.restype = ctypes.c_ssize_t
-            _libc[write] = fn
-        return _libc[write]
+            _libc = fn
+        return _libc
 
 
 def proc_stat_fields(path: str) -> Optional[List[bytes]]:
@@ -104,10 +101,9 @@ def probe(pid: int, src: int) -> Optional[str]:
     return None if got == 1 else describe_errno(ctypes.get_errno())
 
 
-def read_all(pid: int, copies: Sequence[Copy], write: bool = False) -> int:
-    """Copy everything, in batches of IOV_MAX, resuming after partial reads; :class:`CmaError` if a part fails.
-    ``write``: into ``pid`` (each copy's first address is the local source then)."""
-    readv = _readv(write)
+def read_all(pid: int, copies: Sequence[Copy]) -> int:
+    """Copy everything, in batches of IOV_MAX, resuming after partial reads; :class:`CmaError` if a part fails."""
+    readv = _readv()
     done = 0
     pending = [list(c) for c in copies if c[2]]
     while pending:
@@ -196,28 +192,6 @@ class CmaPath:
                 res.copy_seconds = time.perf_counter() - t1
         res.seconds = time.perf_counter() - t0
         return res
-
-    def write(self, part: CmaPart, tensors) -> None:
-        """Write host ``tensors`` into ``part``'s (another process's), whole or raise: MappingFailed when refused
-        before any byte moved. Non-contiguous ones are made contiguous, :data:`WRITE_BATCH_BYTES` at a time."""
-        nbytes = np.array([t.nbytes for t in tensors], np.int64)
-        if not np.array_equal(nbytes, part.nbytes):
-            raise MappingFailed(f"{len(tensors)} tensors of {int(nbytes.sum())} bytes for targets of "
-                                f"{int(part.nbytes.sum())}")
-        why = probe(part.pid, int(part.address[0])) if len(tensors) else None
-        if why is not None:
-            raise MappingFailed(why)
-        ends = np.cumsum(nbytes)
-        start = 0
-        while start < len(tensors):
-            stop = max(start + 1, int(np.searchsorted(ends, ends[start] + WRITE_BATCH_BYTES)))
-            batch = [t.cpu().contiguous() for t in tensors[start:stop]]
-            try:
-                read_all(part.pid, merge_copies(addresses(batch)[0], part.address[start:stop], nbytes[start:stop]),
-                         write=True)
-            except CmaError as e:
-                raise RuntimeError(f"process_vm_writev into pid {part.pid} broke mid-way: {e}") from e
-            start = stop
 
 
 def merge_copies(dst, src, nbytes) -> List[Copy]:

@@ -145,15 +145,6 @@ def mapped(meta: SglangIpcTransportMetadata, device):
     return _parts()[1].mapped(meta.ipc, device.index if device.index is not None else torch.cuda.current_device())
 
 
-def write_host(meta: SglangIpcTransportMetadata, tensors) -> None:
-    """Write contiguous host ``tensors`` into the other process's that ``meta`` describes, whole or raise
-    (:class:`~.metadata.MappingFailed`: refused before any byte moved)."""
-    why = unusable(meta, torch.device("cpu"))
-    if why is not None or meta.cma is None:
-        raise MappingFailed(why or "not host memory")
-    _parts()[2].write(meta.cma, tensors)
-
-
 def unusable(meta: SglangIpcTransportMetadata, device) -> Optional[str]:
     """None when this process can read ``meta`` into tensors on ``device``, else why not."""
     _, ipc, cma = _parts()

@@ -243,10 +243,11 @@ class RankLane:
                 return ("error", "say hello first")
             if op in ("pull", "grant"):
                 return self._pull(conn, op, kw)
-            if op == "pushed":  # (ordered after the grant: settled above)
+            if op == "pushed":  # (ordered after the grant: settled above); the figures are the trainer's
                 stats = {k: kw.get(k, 0) for k in ("tensors", "bytes", "seconds")}
-                return ("ok", self._rank.confirm(int(kw["grant"]), conn.writer, str(kw["outcome"]),
-                                                 {**stats, "transports": [str(kw.get("transport", "write"))]}))
+                self._rank.state.confirmed(int(kw["grant"]), conn.writer, str(kw["outcome"]),
+                                           {**stats, "transports": [str(kw.get("transport", "write"))]})
+                return ("ok", {**stats, "outcome": kw["outcome"], "transport": kw.get("transport")})
             if op == "prepare":
                 return ("ok", self._pull(conn, op, kw))
             if op == "finalize":

@@ -83,7 +83,7 @@ class RankWeightSync:
                 from sglang.srt.ray.rdt.engine.local_lane import RankLane
 
                 self.lane = RankLane(self, after_reply=self.prepare_next_pull)
-        return {**self.lane.open(sender, pid), "node_id": same_node.node_id(), "device": same_node.device_id(self.device)}
+        return {**self.lane.open(sender, pid), "node_id": same_node.node_id(), "gpu": same_node.gpu_uuid(self.device)}
 
     def _probe_read(self, probe) -> Optional[str]:
         device = self.device if self.device is not None else torch.device("cpu")
@@ -125,18 +125,13 @@ class RankWeightSync:
 
     def pull_sources(self, sources, names, timeout: Optional[float] = None, key: Any = None, grant: bool = False):
         """Pull lane ``sources``; ``grant``: let their trainer write them itself instead (``receiver.grant``)."""
-        return self._pull(lambda: sources, names, timeout, key, self.receiver.grant if grant else None)
+        return self._pull(lambda: sources, names, timeout, key, grant)
 
-    def confirm(self, grant: int, writer, outcome: str, stats: Dict[str, Any]) -> Dict[str, Any]:
-        """The trainer's word on a granted write (``state.confirmed``)."""
-        self.state.confirmed(grant, writer, outcome, stats)
-        return {"grant": grant, "outcome": outcome, "seconds": stats["seconds"], "transport": stats["transports"][0]}
-
-    def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None, op=None) -> Dict[str, Any]:
+    def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None, grant: bool = False):
         def run():
             why = self.quiesced()
             if why is None:
-                return (op or self.receiver.pull)(make_sources(), names, timeout, key)
+                return self.receiver.pull(make_sources(), names, timeout, key, grant)
             if why in (NOT_PAUSED, NOT_PAUSED_IN_SESSION):
                 return why, _NOT_PAUSED_YET  # maybe the pause is still on its way
             raise WeightSyncError(NOT_QUIESCED.format(why=why))

@@ -16,7 +16,7 @@ from sglang.srt.ray.rdt.engine.plan import PlanCache, group_names
 from sglang.srt.ray.rdt.engine.registration import ParameterRegistration, RegistrationBook, warn_if_expandable_segments
 from sglang.srt.ray.rdt.engine.sources import NotReadable, RefSource
 from sglang.srt.ray.rdt.engine.update_state import RankUpdateState
-from sglang.srt.ray.rdt.errors import NotWritable, WeightsInconsistentError, WeightSyncError
+from sglang.srt.ray.rdt.errors import NotWritable, WeightsInconsistentError, WeightSyncError, describe
 from sglang.srt.ray.rdt.transport import nixl_threads, same_node
 
 logger = logging.getLogger(__name__)
@@ -146,33 +146,27 @@ class RdtWeightReceiver:
                          for s, t in zip(sources, plan.targets))
         return {"tensors": plan.count, "plan_reused": reused, "opened": opened, "seconds": time.perf_counter() - t0}
 
-    def pull(self, sources: Sequence[Any], names, timeout_s: Optional[float] = None, key: Any = None) -> Dict[str, Any]:
-        """Land ``sources`` in parameters ``names`` (flat, or per source); ``key``: the layout's identity."""
+    def pull(self, sources: Sequence[Any], names, timeout_s: Optional[float] = None, key: Any = None,
+             grant: bool = False) -> Dict[str, Any]:
+        """Land ``sources`` in parameters ``names`` (flat, or per source); ``key``: the layout's identity. ``grant``:
+        land nothing, let the trainer of the one lane source write its tensors itself: after the checks of a pull,
+        the targets described for it (it confirms through ``state.confirmed``)."""
         timeout_s = self.pull_timeout_s if timeout_s is None else float(timeout_s)
         with self._lock:
             self._enter()
             t0 = time.perf_counter()
             plan, writes, reused = self._plan(sources, names, timeout_s, key)
             t_plan = time.perf_counter() - t0
+            if grant:
+                try:
+                    targets = same_node.writable(plan.targets[0], self._device)
+                except Exception as e:  # (nothing granted yet)
+                    raise NotWritable(f"the trainer cannot write this rank's parameters: {describe(e)}") from e
+                return {"grant": self.state.granted(*writes[0]), "targets": targets, "tensors": plan.count,
+                        "bytes": plan.nbytes, "plan_seconds": t_plan}
             reads = self._transfer(sources, plan, writes, timeout_s)
             t_fetch = time.perf_counter() - t0 - t_plan
             return self._record(plan, writes, reads, reused, t_plan, t_fetch, t0)
-
-    def grant(self, sources, names, timeout_s: Optional[float] = None, key: Any = None) -> Dict[str, Any]:
-        """Let the trainer of one lane source write its tensors into their targets itself: the checks of a pull,
-        then the targets described for it. Nothing is written here; the trainer confirms (``state.confirmed``)."""
-        timeout_s = self.pull_timeout_s if timeout_s is None else float(timeout_s)
-        with self._lock:
-            self._enter()
-            t0 = time.perf_counter()
-            plan, writes, _ = self._plan(sources, names, timeout_s, key)
-            try:
-                targets = same_node.writable(plan.targets[0], self._device)
-            except Exception as e:  # (nothing granted yet)
-                raise NotWritable(f"the trainer cannot write this rank's parameters: {type(e).__name__}: {e}") from e
-            grant = self.state.granted(*writes[0])
-        return {"grant": grant, "targets": targets, "tensors": plan.count, "bytes": plan.nbytes,
-                "plan_seconds": time.perf_counter() - t0}
 
     def _plan(self, sources, names, timeout_s: float, key: Any):
         specs = [s.specs(timeout_s) for s in sources]

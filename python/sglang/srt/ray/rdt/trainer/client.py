@@ -195,9 +195,7 @@ class WeightSyncClient:
                 self._prepare_direct(steps, plan.rank_groups)
             elif not plan.push:
                 self.sender.prepare(plan.slot_bytes, self.ranks)
-        elif not route.direct and not (self.export != "buckets" and all(
-                getattr(self.lanes.link(r.index), "writable", False) for r in self.ranks)):
-            # every update is gathered into the slots: make them now
+        elif not route.direct:  # every update is gathered into the slots: make them now
             self.sender.prepare(self.slot_bytes_for_any_update(self.bucket_bytes) or self.bucket_bytes, self.ranks)
         # (a direct route reserves nothing here: the first update that gathers makes the slots)
         return out
@@ -219,7 +217,7 @@ class WeightSyncClient:
         for step in steps:
             for rg, group in step:
                 meta = same_node.export(group.tensors, with_specs=False, scan=group.scan)
-                calls += [(r, self.lanes.pull(r, group, meta, None, prepare=True)) for r in rank_groups[rg]]
+                calls += [(r, self.lanes.pull(r, group, meta, None, "prepare")) for r in rank_groups[rg]]
         self.gather(calls, "prepare the first update", self.call_timeout_s)
         for r, call in calls:
             self.lanes.defined(r, call)

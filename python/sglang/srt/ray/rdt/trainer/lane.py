@@ -168,9 +168,9 @@ class Lanes:
                 if info.get("unreadable"):
                     logger.warning("[RDT] %s cannot read this process's memory (%s); its pulls go "
                                    "through Ray", r.label(), info["unreadable"])
-                elif info.get("node_id") == here:
-                    self.links[r.index] = RankLink(info["address"], info["secret"], info["pid"], token,
-                                                   writable=_same_device(info.get("device"), probe.device))
+                elif info.get("node_id") == here:  # (a rank on this GPU: its parameters are written from here)
+                    here_gpu = probe.is_cuda and info.get("gpu") == same_node.gpu_uuid(probe.device)
+                    self.links[r.index] = RankLink(info["address"], info["secret"], info["pid"], token, here_gpu)
             except Exception as e:
                 logger.warning("[RDT] no call lane to %s (%s: %s); its pulls go through Ray",
                                r.label(), type(e).__name__, str(e).splitlines()[0][:200])
@@ -181,16 +181,16 @@ class Lanes:
         link = self.links.get(rank)
         return None if link is None or link.broken else link
 
-    def pull(self, rank: int, group, meta, timeout: Optional[float], prepare: bool = False,
-             op: str = "pull") -> LaneCall:
+    def pull(self, rank: int, group, meta, timeout: Optional[float], op: str = "pull") -> LaneCall:
         """Send ``rank`` a pull of ``meta`` (``group``'s same-node description). The layout and a kept description
-        go along only the first time this lane sees them; later pulls name their ids. ``op="grant"`` (``meta`` None): the rank answers with its targets for this process to write (a
-        ``"pushed"`` request says how that went)."""
+        go along only the first time this lane sees them; later pulls name their ids. ``op="prepare"``: plan and
+        map, write nothing; ``op="grant"`` (``meta`` None): the rank answers with its targets for this process to
+        write (``"pushed"`` says how that went)."""
         link = self.links[rank]
         first = group.layout not in link.defined
         kept = meta.ipc.kept_id if meta is not None and meta.ipc is not None else 0
         known = kept and kept in link.sources
-        call = link.send("prepare" if prepare else op, {
+        call = link.send(op, {
             "layout": group.layout, "names": list(group.names) if first else None,
             "specs": group.specs() if first else None, "timeout": timeout,
             "source": None if known else meta, "source_id": kept})
@@ -213,10 +213,3 @@ class Lanes:
             link.close()
         self.links.clear()
         self.opened = False
-
-
-def _same_device(rank_device: Optional[str], device) -> bool:
-    """Whether a rank on ``rank_device`` (``"cpu"`` or its GPU's UUID) holds its parameters on GPU ``device``."""
-    from sglang.srt.ray.rdt.transport.cuda_driver import device_uuid
-
-    return device.type == "cuda" and rank_device == device_uuid(device.index)

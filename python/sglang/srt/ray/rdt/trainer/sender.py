@@ -206,14 +206,13 @@ def gather(device: torch.device, dst: np.ndarray, group) -> None:
             ctypes.memmove(int(dst[i]), tmp.data_ptr(), int(sc.nbytes[i]))
 
 
-def write_into(meta, group, device: torch.device) -> str:
+def write_into(meta, group, device: torch.device) -> None:
     """Write ``group`` straight into the tensors on this process's GPU ``device`` of another process that ``meta``
     describes (a rank granted its parameters): one copy, queued on the current stream (the caller waits for it
     before it says the write is done). MappingFailed: refused before any byte moved."""
     torch.cuda.synchronize(device)  # the trainer's queued work on its tensors
     with same_node.mapped(meta, device) as dst:
         gather(device, dst, group)
-    return "cuda_ipc write"
 
 
 class SenderLink:

@@ -33,8 +33,9 @@ class UpdateStats:
     ``bytes``: the payload, once per rank group; ``bytes_moved``: every rank's copy. ``seconds``: the whole call;
     ``transfer_seconds``: first fill to last pull's return; ``gbps`` = ``bytes / transfer_seconds``. ``path``:
     ``"direct"`` (ranks read the trainer's tensors), ``"write"`` (the trainer wrote them into the ranks' parameters,
-    one copy), ``"buckets"`` (gathered into the slots), or such names joined by ``+``. ``gathered_bytes``: what was gathered; ``held_bytes``: the most bytes read in place in
-    flight at once (``client.pool_bytes()``: what the staging pool holds).
+    one copy), ``"buckets"`` (gathered into the slots), or such names joined by ``+``. ``gathered_bytes``: what was
+    gathered; ``held_bytes``: the most trainer bytes in flight at once (``client.pool_bytes()``: what the staging
+    pool holds).
     """
 
     version: Optional[str]

@@ -219,23 +219,23 @@ class Update:
             except Exception as e:  # (every grant is answered before anything is written)
                 error = error or (r, e, "pull")
                 continue
-            outcome, path = "none", "write"
+            outcome = "none"
             try:
                 if error is None:
                     outcome = "broken"
-                    path, outcome = write_into(out["targets"], g, c.device_obj), "done"
+                    write_into(out["targets"], g, c.device_obj)
+                    outcome = "done"
             except MappingFailed as e:
                 outcome, error = "none", (r, NotWritable(f"{c.labels[r]}: {e}"), "write")
             except BaseException as e:
                 error = error or (r, e, "write")
-            flight.writes.append((r, g, out["grant"], outcome, path))
-        flight.held_bytes = sum(g.nbytes for _, g in step)
-        self.held += flight.held_bytes
-        self.max_held = max(self.max_held, self.held)
+            flight.writes.append((r, g, out["grant"], outcome))
         if error is None:
+            flight.held_bytes = sum(g.nbytes for _, g in step)  # (read until the writes are done)
+            self.held += flight.held_bytes
+            self.max_held = max(self.max_held, self.held)
             self.written += flight.held_bytes
             return flight
-        self.held -= flight.held_bytes
         self._confirm(flight)
         settle(flight.calls, self.wait_s)  # (the ranks recorded every outcome before the slots take over)
         r, e, phase = error
@@ -250,18 +250,16 @@ class Update:
     def _confirm(self, flight: Flight) -> None:
         """Wait until the flight's queued writes are done, then tell each rank how its write went."""
         c, writes, flight.writes = self.client, flight.writes, []
-        t0 = time.perf_counter()
+        t0, done = time.perf_counter(), False
         try:
-            if c.device_obj.type == "cuda":
-                torch.cuda.current_stream(c.device_obj).synchronize()
-        except BaseException:
-            writes = [(r, g, grant, "broken" if o == "done" else o, p) for r, g, grant, o, p in writes]
-            raise
+            torch.cuda.current_stream(c.device_obj).synchronize()
+            done = True
         finally:
-            for r, g, grant, outcome, path in writes:
+            for r, g, grant, outcome in writes:
                 flight.calls.append((r, c.lanes.links[r].send("pushed", {
-                    "grant": grant, "outcome": outcome, "transport": path, "tensors": len(g.names),
-                    "bytes": g.nbytes, "seconds": time.perf_counter() - t0})))
+                    "grant": grant, "outcome": outcome if done or outcome != "done" else "broken",
+                    "transport": "cuda_ipc write", "tensors": len(g.names), "bytes": g.nbytes,
+                    "seconds": time.perf_counter() - t0})))
 
     def _describe(self, index: int, step) -> Flight:
         """Kept memory: describe the trainer's own tensors where they are."""

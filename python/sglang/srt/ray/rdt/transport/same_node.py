@@ -133,7 +133,6 @@ def writable(targets: Targets, device) -> SglangIpcTransportMetadata:
         except cuda_driver.CudaDriverError:
             if fresh:
                 raise
-    raise AssertionError("unreachable")
 
 
 def mapped(meta: SglangIpcTransportMetadata, device):
@@ -164,11 +163,10 @@ def read(meta: SglangIpcTransportMetadata, targets: Targets, device, copy: bool 
     return ipc.read(meta.ipc, targets, device, copy)
 
 
-def device_id(device) -> str:
-    """``"cpu"``, or the UUID of the GPU of ``device`` (a writer on this node writes a rank's parameters only on
-    its own device)."""
+def gpu_uuid(device) -> Optional[str]:
+    """The UUID of ``device``'s GPU, or None on the host."""
     if device is None or device.type != "cuda":
-        return "cpu"
+        return None
     return cuda_driver.device_uuid(device.index if device.index is not None else torch.cuda.current_device())
 
 

@@ -18,10 +18,6 @@ class WeightUpdateConflictError(WeightSyncError):
     """Two different writers wrote the same parameter in one update."""
 
 
-class NotWritable(WeightSyncError):
-    """A rank cannot let this trainer write its parameters directly; nothing was granted (use the bucket slots)."""
-
-
 class WeightSyncSessionError(WeightSyncError):
     """The engine's update session could not be opened, ended or aborted."""
 

@@ -244,10 +244,9 @@ class RankLane:
             if op in ("pull", "grant"):
                 return self._pull(conn, op, kw)
             if op == "pushed":  # (ordered after the grant: settled above); the figures are the trainer's
-                stats = {k: kw.get(k, 0) for k in ("tensors", "bytes", "seconds")}
-                self._rank.state.confirmed(int(kw["grant"]), conn.writer, str(kw["outcome"]),
-                                           {**stats, "transports": [str(kw.get("transport", "write"))]})
-                return ("ok", {**stats, "outcome": kw["outcome"], "transport": kw.get("transport")})
+                stats = {**{k: kw.get(k, 0) for k in ("tensors", "bytes", "seconds")}, "transports": [kw["transport"]]}
+                self._rank.state.confirmed(int(kw["grant"]), conn.writer, str(kw["outcome"]), stats)
+                return ("ok", {**stats, "outcome": kw["outcome"], "transport": kw["transport"]})
             if op == "prepare":
                 return ("ok", self._pull(conn, op, kw))
             if op == "finalize":

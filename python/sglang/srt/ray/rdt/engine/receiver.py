@@ -16,8 +16,9 @@ from sglang.srt.ray.rdt.engine.plan import PlanCache, group_names
 from sglang.srt.ray.rdt.engine.registration import ParameterRegistration, RegistrationBook, warn_if_expandable_segments
 from sglang.srt.ray.rdt.engine.sources import NotReadable, RefSource
 from sglang.srt.ray.rdt.engine.update_state import RankUpdateState
-from sglang.srt.ray.rdt.errors import NotWritable, WeightsInconsistentError, WeightSyncError, describe
+from sglang.srt.ray.rdt.errors import WeightsInconsistentError, WeightSyncError, describe
 from sglang.srt.ray.rdt.transport import nixl_threads, same_node
+from sglang.srt.ray.rdt.transport.metadata import MappingFailed
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +150,7 @@ class RdtWeightReceiver:
     def pull(self, sources: Sequence[Any], names, timeout_s: Optional[float] = None, key: Any = None,
              grant: bool = False) -> Dict[str, Any]:
         """Land ``sources`` in parameters ``names`` (flat, or per source); ``key``: the layout's identity. ``grant``:
-        land nothing, let the trainer of the one lane source write its tensors itself: after the checks of a pull,
-        the targets described for it (it confirms through ``state.confirmed``)."""
+        land nothing; after a pull's checks, describe the targets for the lane source's trainer to write and confirm."""
         timeout_s = self.pull_timeout_s if timeout_s is None else float(timeout_s)
         with self._lock:
             self._enter()
@@ -161,7 +161,7 @@ class RdtWeightReceiver:
                 try:
                     targets = same_node.writable(plan.targets[0], self._device)
                 except Exception as e:  # (nothing granted yet)
-                    raise NotWritable(f"the trainer cannot write this rank's parameters: {describe(e)}") from e
+                    raise MappingFailed(f"the trainer cannot write this rank's parameters: {describe(e)}") from e
                 return {"grant": self.state.granted(*writes[0]), "targets": targets, "tensors": plan.count,
                         "bytes": plan.nbytes, "plan_seconds": t_plan}
             reads = self._transfer(sources, plan, writes, timeout_s)

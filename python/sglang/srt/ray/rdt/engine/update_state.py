@@ -174,8 +174,7 @@ class RankUpdateState:
         rdt_metrics.record_pull(stats)
 
     def granted(self, names: Sequence[str], writer: Writer) -> int:
-        """After :meth:`admit`: ``writer`` may now write ``names`` itself; until :meth:`confirmed`, the update counts
-        them as possibly half-written. Returns the grant's id."""
+        """After :meth:`admit`: ``writer`` may write ``names`` itself, half-written until :meth:`confirmed`; its id."""
         with self._lock:
             self._grants += 1
             u = self._current()

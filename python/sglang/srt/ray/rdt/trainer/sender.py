@@ -207,9 +207,8 @@ def gather(device: torch.device, dst: np.ndarray, group) -> None:
 
 
 def write_into(meta, group, device: torch.device) -> None:
-    """Write ``group`` straight into the tensors on this process's GPU ``device`` of another process that ``meta``
-    describes (a rank granted its parameters): one copy, queued on the current stream (the caller waits for it
-    before it says the write is done). MappingFailed: refused before any byte moved."""
+    """Write ``group`` into another process's tensors on this GPU that ``meta`` describes (a rank's granted
+    parameters), one copy queued on the current stream: wait for it before calling it done. MappingFailed: refused."""
     torch.cuda.synchronize(device)  # the trainer's queued work on its tensors
     with same_node.mapped(meta, device) as dst:
         gather(device, dst, group)

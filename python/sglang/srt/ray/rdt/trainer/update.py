@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from sglang.srt.ray.rdt.defaults import PULL_TIMEOUT_S, PULL_WAIT_MARGIN_S, STREAM_GROUPS_PER_BUCKET
-from sglang.srt.ray.rdt.errors import NotWritable, WeightSyncError, WeightSyncRankError
+from sglang.srt.ray.rdt.errors import WeightSyncError, WeightSyncRankError
 from sglang.srt.ray.rdt.ranks import settle, unfinished
 from sglang.srt.ray.rdt.trainer import buckets
 from sglang.srt.ray.rdt.trainer.lane import LaneCall
@@ -203,9 +203,9 @@ class Update:
             self.begin_seconds = time.perf_counter() - t0
 
     def _push(self, index: int, step) -> Optional[Flight]:
-        """Write the step straight into its ranks' parameters (one copy): every rank grants its targets after the
-        checks of a pull, then this process queues its writes; the step lands once they are done and confirmed
-        (:meth:`_confirm`). None: a rank cannot be written from here (nothing written; the slots take over)."""
+        """Write the step straight into its ranks' parameters (one copy): each rank grants its targets after the checks
+        of a pull, this process queues its writes, the step lands once they are done and confirmed (:meth:`_confirm`).
+        None: a rank cannot be written from here (nothing written; the slots take over)."""
         c = self.client
         self._begin()
         grants = [(r, g, c.lanes.pull(r, g, None, c.pull_timeout_s, op="grant"))
@@ -226,7 +226,7 @@ class Update:
                     write_into(out["targets"], g, c.device_obj)
                     outcome = "done"
             except MappingFailed as e:
-                outcome, error = "none", (r, NotWritable(f"{c.labels[r]}: {e}"), "write")
+                outcome, error = "none", error or (r, e, "write")
             except BaseException as e:
                 error = error or (r, e, "write")
             flight.writes.append((r, g, out["grant"], outcome))
@@ -239,7 +239,7 @@ class Update:
         self._confirm(flight)
         settle(flight.calls, self.wait_s)  # (the ranks recorded every outcome before the slots take over)
         r, e, phase = error
-        if not isinstance(e, NotWritable):
+        if not isinstance(e, MappingFailed):  # (refused before any byte moved: the slots take over)
             raise WeightSyncRankError(r, c.ranks[r].name, f"{phase} of step {index + 1}", e, [(r, e)]) from e
         logger.warning("[RDT] %s: its steps go through the bucket slots (%s)", c.labels[r], str(e)[:300])
         c.lanes.links[r].writable = self.push = False

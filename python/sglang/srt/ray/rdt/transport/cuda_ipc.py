@@ -240,8 +240,7 @@ class CudaIpcReader:
 
     @contextlib.contextmanager
     def mapped(self, part: IpcPart, ordinal: int):
-        """The addresses here of ``part``'s tensors (kept mapped) for the block to queue its writes; no mapping is
-        closed before they are done."""
+        """The addresses here of ``part``'s tensors (kept mapped) to queue writes to; none is closed before they end."""
         res = ReadResult("cuda_ipc", len(part.nbytes), int(part.nbytes.sum()), 0.0)
         with self.lock, cuda_driver.pushed(cuda_driver.driver(), ordinal) as drv:
             yield self._sources(drv, part, ordinal, res, True)

@@ -83,7 +83,7 @@ class ReadResult:
 
 
 class MappingFailed(RuntimeError):
-    """A same-node read was refused before any byte moved (NIXL may still serve it)."""
+    """A same-node read or write was refused before any byte moved (NIXL, or the slots, may still serve it)."""
 
 
 @dataclass

@@ -113,7 +113,7 @@ def describe(ptrs: np.ndarray, nbytes: np.ndarray, device,
 
 def writable(targets: Targets, device) -> SglangIpcTransportMetadata:
     """Describe this process's ``targets`` for a writer on this node (a rank grants its trainer its parameters; on
-    a GPU their segments become kept memory). Raises when they cannot be exported."""
+    a GPU their segments become kept memory)."""
     if device is None or device.type != "cuda":
         return describe(targets.ptrs, targets.nbytes, torch.device("cpu"))
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
@@ -136,8 +136,7 @@ def writable(targets: Targets, device) -> SglangIpcTransportMetadata:
 
 
 def mapped(meta: SglangIpcTransportMetadata, device):
-    """A context giving the addresses here of the other process's tensors ``meta`` describes, mapped (kept) and
-    held open while it runs (:class:`~.metadata.MappingFailed`: refused)."""
+    """The addresses here of another process's GPU tensors ``meta`` describes, mapped and kept (a context)."""
     why = unusable(meta, device)
     if why is not None or meta.ipc is None:
         raise MappingFailed(why or "not GPU memory")

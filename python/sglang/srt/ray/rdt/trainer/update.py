@@ -116,7 +116,6 @@ class Update:
         self.sent = [set() for _ in self.rank_groups]
         if not self.stream:  # (each mapping looked at once)
             payloads = [buckets.whole(p) for p in payloads]
-        if not self.stream:
             self.in_place = self.route.direct and all(readable_in_place(p, c.device_obj) for p in payloads)
         # what ranks cannot read in place, this process writes into them when they are on its own device
         self.push = not self.in_place and c.export != "buckets" and all(

@@ -124,7 +124,7 @@ class RankWeightSync:
         return self._pull(lambda: sources_of(refs), names, timeout)
 
     def pull_sources(self, sources, names, timeout: Optional[float] = None, key: Any = None, grant: bool = False):
-        """Pull lane ``sources``; ``grant``: let their trainer write them itself instead (``receiver.grant``)."""
+        """Pull lane ``sources``; ``grant``: let their trainer write them itself instead (``receiver.pull``)."""
         return self._pull(lambda: sources, names, timeout, key, grant)
 
     def _pull(self, make_sources, names, timeout: Optional[float], key: Any = None, grant: bool = False):

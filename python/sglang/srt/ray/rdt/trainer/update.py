@@ -40,7 +40,7 @@ class Flight:
     token: str = ""
     held_bytes: int = 0  # direct: the trainer's bytes the ranks read in place
     sources: List[Tuple[Any, Any]] = field(default_factory=list)  # per region: (ref, description)
-    writes: List[tuple] = field(default_factory=list)  # written here, not yet confirmed: (rank, group, grant, ...)
+    writes: List[tuple] = field(default_factory=list)  # queued here, not yet confirmed: (rank, group, grant, outcome)
 
 
 class _Replan(Exception):
